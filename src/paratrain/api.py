@@ -1,0 +1,221 @@
+"""`paratrain.setup()` and the `Run` it returns: the whole user-facing surface of a training script."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import checkpoint, collectives, runtime, strategies
+from .config import Config, make_config
+from .data import ShardedLoader
+from .errors import ParatrainError
+from .optim import PreparedOptimizer, Steps
+from .precision import apply_autocast, make_scaler
+from .strategies.base import Context, LossFn, Strategy
+
+log = logging.getLogger("paratrain")
+
+
+class Run:
+    """One process's view of a training job; made by `paratrain.setup`."""
+
+    def __init__(self, config: Config, strategy: Strategy, ctx: Context) -> None:
+        self.config = config
+        self.strategy = strategy
+        self.ctx = ctx
+        self._steps = Steps(config.grad_accum)
+        self.scaler = make_scaler(config.precision, ctx.device.type)
+        self._sync_ctx: contextlib.AbstractContextManager[Any] | None = None
+        self._saves = 0
+
+    # -- where am I -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.ctx.placement.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.placement.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.placement.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sync_step(self) -> bool:
+        """True after the backward that completes an accumulation window (when the optimizer steps)."""
+        return self._steps.micro > 0 and self._steps.at_boundary
+
+    def per_worker_batch(self, global_batch: int) -> int:
+        """The loader batch size for a global batch, checked to divide evenly over replicas and accumulation."""
+        _, replicas = self.strategy.data_shard(self.ctx)
+        parts = replicas * self.config.grad_accum
+        if global_batch < parts or global_batch % parts:
+            raise ParatrainError(
+                f"global batch {global_batch} cannot be split evenly over {replicas} data-parallel worker(s) x "
+                f"{self.config.grad_accum} accumulation step(s) = {parts} parts; use a global batch that is a "
+                f"multiple of {parts} (e.g. {max(parts, global_batch // parts * parts)})"
+            )
+        return global_batch // parts
+
+    # -- preparing objects ----------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Wrap the model for the strategy (and the optimizer for accumulation/AMP); returns (model, optimizer)."""
+        wrapped = self.strategy.wrap(model, self.ctx)
+        wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
+        wrapped.register_forward_pre_hook(self._enter_micro_step)
+        _seed(self.config.seed + 1 + self.rank)  # weights are built; from here on randomness differs per rank
+        if optimizer is None:
+            return wrapped
+        return wrapped, PreparedOptimizer(optimizer, self._steps, self.scaler)
+
+    def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
+        """Shard `loader` over data-parallel replicas (its batch_size is per worker). With evaluation=True each
+        sample goes to exactly one rank and none is repeated, so all-reduced sums are exact."""
+        replica, replicas = self.strategy.data_shard(self.ctx)
+        return ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the strategy's wrapper (for state dicts and evaluation)."""
+        return self.strategy.unwrap(model)
+
+    # -- the step -------------------------------------------------------------------------------
+    def _enter_micro_step(self, module: nn.Module, args: Any) -> None:
+        if self._sync_ctx is None and torch.is_grad_enabled() and module.training:
+            self._sync_ctx = self.strategy.sync_context(module, self._steps.next_syncs)
+            self._sync_ctx.__enter__()
+
+    def _leave_micro_step(self) -> None:
+        if self._sync_ctx is not None:
+            ctx, self._sync_ctx = self._sync_ctx, None
+            ctx.__exit__(None, None, None)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() with accumulation scaling, fp16 loss scaling and gradient sync only when due."""
+        if self.config.grad_accum > 1:
+            loss = loss / self.config.grad_accum
+        try:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        finally:
+            self._leave_micro_step()
+            self._steps.micro += 1
+
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank."""
+        loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, self.backward)
+        self._leave_micro_step()
+        return loss
+
+    @contextlib.contextmanager
+    def join(self, model: nn.Module) -> Iterator[None]:
+        """Let ranks with fewer batches finish early without deadlocking the others (uneven inputs)."""
+        from torch.distributed.algorithms.join import Join
+
+        if not collectives.active():
+            yield
+            return
+        with Join([model]):
+            yield
+
+    # -- communication --------------------------------------------------------------------------
+    def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
+        return collectives.all_reduce(value, op=op, device=self.device)
+
+    def barrier(self) -> None:
+        collectives.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main:
+            kwargs.setdefault("flush", True)
+            builtins.print(*args, **kwargs)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _root(self, path: str | Path | None) -> Path:
+        root = path or self.config.checkpoint_dir
+        if root is None:
+            raise ParatrainError("no checkpoint directory: pass setup(checkpoint_dir=...) or save(state, path=...)")
+        return Path(root)
+
+    def save(self, state: dict[str, Any], path: str | Path | None = None) -> Path:
+        """Write a complete checkpoint atomically (collective: every rank calls it)."""
+        step = state.get("step")
+        step = int(step) if isinstance(step, int) else self._saves
+        self._saves += 1
+        extra = {"micro": self._steps.micro, "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "strategy": self.strategy.name, "world_size": self.world_size}
+        return checkpoint.save(
+            self._root(path), step, state, rank=self.rank, world_size=self.world_size,
+            unwrap=self.strategy.unwrap, sharded=getattr(self.strategy, "sharded_state", False),
+            keep=self.config.keep_last, extra=extra,
+        )
+
+    def load(self, state: dict[str, Any], path: str | Path | None = None) -> bool:
+        """Restore the newest complete checkpoint (or `path`) into `state` in place; False on a fresh start."""
+        from .checkpoint import manager
+
+        given = Path(path) if path is not None else None
+        if given is not None and ((given / "meta.json").exists() or not given.is_dir()):
+            target: Path | None = given  # one checkpoint; a missing one is a CheckpointError below
+        else:
+            target = manager.find(self._root(path), self.rank)
+        if target is None:
+            return False
+        extra = checkpoint.load(target, state, rank=self.rank, world_size=self.world_size,
+                                unwrap=self.strategy.unwrap, map_location=self.device)
+        self._steps.micro = int(extra.get("micro", 0))
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+        self.print(f"paratrain: resumed from {target}")
+        return True
+
+    def close(self) -> None:
+        runtime.destroy_process_group()
+
+
+def setup(**kwargs: Any) -> Run:
+    """Read the launch environment, start the process group the strategy needs, and return the `Run`."""
+    config = make_config(kwargs)
+    strategy = strategies.get(config.strategy)
+    placement = runtime.read_placement()
+    device = runtime.pick_device(config.accelerator, placement.local_rank)
+    ctx = Context(config=config, placement=placement, device=device)
+    strategy.check(ctx)
+    runtime.install_error_file_hook()
+    if strategy.needs_process_group or placement.world_size > 1:
+        backend = runtime.pick_backend(config.backend, device)
+        timeout = config.timeout_s or runtime.default_timeout_s()
+        runtime.init_process_group(placement, backend, config.init, timeout, device)
+    _seed(config.seed)
+    return Run(config, strategy, ctx)
+
+
+def _seed(seed: int) -> None:
+    """Same seed on every rank, so every rank builds identical initial weights (as one process would)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass

@@ -1,0 +1,1 @@
+"""`paratrain bench`: workloads, the measuring runner, hand-written references, report and plots."""

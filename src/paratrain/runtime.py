@@ -1,0 +1,249 @@
+"""The one place that reads the launch environment and owns the process group.
+
+Every launcher (torchrun/`paratrain run`, `paratrain.launch`, Slurm's srun, plain `python`) describes
+the job through environment variables; this module turns them into a `Placement` and starts or
+stops the process group. Nothing else in paratrain reads `os.environ` for launch facts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import ParatrainError
+
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_CONNECT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    launcher: str = "python"
+    """"torchrun" (also `paratrain run`), "launch" (`paratrain.launch`), "slurm" or "python"."""
+
+
+def _int(env: dict[str, str], key: str, default: int) -> int:
+    value = env.get(key)
+    return int(value) if value not in (None, "") else default
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as "gpu[01-04,07],cpu3" (what `scontrol show hostnames` gives first)."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist)
+    if not match:
+        return nodelist
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def read_placement(env: dict[str, str] | None = None) -> Placement:
+    env = dict(os.environ if env is None else env)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else env.get("PARATRAIN_LAUNCHER", "env")
+        return Placement(
+            rank=_int(env, "RANK", 0),
+            world_size=_int(env, "WORLD_SIZE", 1),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
+            node_rank=_int(env, "GROUP_RANK", 0),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", 0) or None,
+            launcher=launcher,
+        )
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", 1) > 1:
+        job = _int(env, "SLURM_JOB_ID", 0)
+        return Placement(
+            rank=_int(env, "SLURM_PROCID", 0),
+            world_size=_int(env, "SLURM_NTASKS", 1),
+            local_rank=_int(env, "SLURM_LOCALID", 0),
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1),
+            node_rank=_int(env, "SLURM_NODEID", 0),
+            master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            master_port=_int(env, "MASTER_PORT", 0) or 10000 + job % 20000,
+            launcher="slurm",
+        )
+    return Placement()
+
+
+def env_flag(name: str) -> str | None:
+    """paratrain's own settings passed by its launchers (PARATRAIN_*)."""
+    return os.environ.get(f"PARATRAIN_{name}")
+
+
+def default_timeout_s() -> float:
+    value = env_flag("TIMEOUT")
+    return float(value) if value else DEFAULT_TIMEOUT_S
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pick_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
+        n = cuda_count()
+        if n == 0:
+            raise ParatrainError("accelerator='cuda' but no CUDA GPU is visible; use accelerator='cpu'")
+        if local_rank >= n:
+            raise ParatrainError(
+                f"local rank {local_rank} has no GPU: only {n} visible. Start at most {n} workers per "
+                f"machine (paratrain run --nproc {n})"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pick_backend(requested: str | None, device: torch.device) -> str:
+    backend = requested or env_flag("BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ParatrainError("backend 'nccl' needs CUDA GPUs; on CPU use backend='gloo' (the default)")
+    if backend not in ("gloo", "nccl", "mpi", "cpu:gloo,cuda:nccl"):
+        raise ParatrainError(f"unknown backend {backend!r}; use gloo (CPU) or nccl (GPU)")
+    return backend
+
+
+def _store_for(placement: Placement, init: str | None, timeout: timedelta) -> dist.Store | None:
+    """Build the rendezvous store ourselves so an unreachable master fails fast with a clear message."""
+    init = init or env_flag("INIT")
+    if init is not None:
+        if init.startswith("file://"):
+            return _file_store(init[len("file://") :], placement.world_size)
+        if init.startswith("tcp://"):
+            host, _, port = init[len("tcp://") :].rpartition(":")
+            return _tcp_store(host, int(port), placement, timeout)
+        if init != "env://":
+            raise ParatrainError(f"init {init!r} not understood; use env://, tcp://HOST:PORT or file:///PATH")
+    if placement.world_size == 1 and placement.master_port is None:
+        return dist.HashStore()
+    if placement.launcher == "torchrun":
+        return None  # torchrun hands its agent's store to env:// init
+    if placement.master_port is None:
+        raise ParatrainError("MASTER_PORT is not set; launch with `paratrain run` or set MASTER_ADDR/MASTER_PORT")
+    return _tcp_store(placement.master_addr, placement.master_port, placement, timeout)
+
+
+def _connect_timeout() -> float:
+    value = env_flag("CONNECT_TIMEOUT")
+    return float(value) if value else DEFAULT_CONNECT_TIMEOUT_S
+
+
+def _tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -> dist.Store:
+    connect = min(_connect_timeout(), timeout.total_seconds())
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size=placement.world_size,
+            is_master=placement.rank == 0,
+            timeout=timedelta(seconds=connect),
+            wait_for_workers=False,
+        )
+    except Exception as exc:  # torch raises RuntimeError/DistNetworkError/TimeoutError here
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if placement.rank == 0:
+            raise ParatrainError(
+                f"rank 0 cannot listen on {host}:{port} ({text}); the port is probably in use: "
+                "choose another MASTER_PORT / --master-port, or omit it to get a free one"
+            ) from None
+        raise ParatrainError(
+            f"rank {placement.rank} cannot reach the master at {host}:{port} within {connect:.0f}s ({text}); "
+            "start rank 0 first and check MASTER_ADDR/--master-addr and firewalls"
+        ) from None
+
+
+def _file_store(path: str, world_size: int) -> dist.Store:
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ParatrainError(
+            f"file store {path!r}: directory {parent!r} does not exist or is not writable; "
+            "use a path on a writable filesystem that every worker sees"
+        )
+    if os.path.exists(path) and os.path.getsize(path) > 0 and not _file_store_fresh(path):
+        raise ParatrainError(
+            f"file store {path!r} is left over from an earlier run; delete it or use a new path "
+            "(a file store must not exist before the first worker starts)"
+        )
+    return dist.FileStore(path, world_size)
+
+
+def _file_store_fresh(path: str) -> bool:
+    """A store file other workers of *this* job are already writing counts as fresh (touched within 60 s)."""
+    import time
+
+    return time.time() - os.path.getmtime(path) < 60
+
+
+def init_process_group(
+    placement: Placement, backend: str, init: str | None, timeout_s: float, device: torch.device
+) -> None:
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    store = _store_for(placement, init, timeout)
+    kwargs: dict[str, object] = {"backend": backend, "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if store is None:
+        dist.init_process_group(init_method="env://", **kwargs)  # type: ignore[arg-type]
+    else:
+        dist.init_process_group(store=store, rank=placement.rank, world_size=placement.world_size, **kwargs)  # type: ignore[arg-type]
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def install_error_file_hook() -> None:
+    """Record uncaught exceptions to torchrun's error file (what `@record` does) so the launcher names the rank."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or getattr(sys, "_paratrain_hook", False):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        try:
+            ErrorHandler().record_exception(value)
+        finally:
+            previous(kind, value, tb)
+
+    sys.excepthook = hook
+    sys._paratrain_hook = True  # type: ignore[attr-defined]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
