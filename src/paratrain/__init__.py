@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 
 def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """Start `fn` on N worker processes from Python or a notebook; see `paratrain.launch.spawn.launch`."""
-    from .launch.spawn import launch as _launch
+    """Start `fn` on N worker processes from Python or a notebook; see `paratrain.launcher.spawn.launch`."""
+    from .launcher.spawn import launch as _launch
 
     return _launch(*args, **kwargs)
 

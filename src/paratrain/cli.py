@@ -9,8 +9,8 @@ from .errors import ParatrainError
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from .launch.checks import LaunchSpec, parse_nnodes
-    from .launch.cli_run import run
+    from .launcher.checks import LaunchSpec, parse_nnodes
+    from .launcher.cli_run import run
 
     low, high = parse_nnodes(ns.nnodes)
     spec = LaunchSpec(

@@ -8,6 +8,7 @@ parent polls; the first failing worker's traceback is raised in the caller and t
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -100,7 +101,7 @@ def launch(
     try:
         for rank in range(nproc):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "paratrain.launch._worker", str(workdir)],
+                [sys.executable, "-m", "paratrain.launcher._worker", str(workdir)],
                 env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
@@ -133,12 +134,13 @@ def _wait(procs: list[subprocess.Popen[bytes]], workdir: Path, timeout: float | 
         codes = [p.poll() for p in procs]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            # The lowest rank with an error report is named; peers often die of the broken connection after it.
-            time.sleep(0.2)  # let peers that failed at the same moment write their reports
-            reported = [r for r in range(len(procs)) if (workdir / f"error-{r}.txt").exists()]
-            rank = min(reported) if reported else failed[0]
-            path = workdir / f"error-{rank}.txt"
-            detail = path.read_text() if path.exists() else f"exited with code {codes[rank]} without a Python error (killed?)"
+            # Name the rank that failed first: peers usually die afterwards of the broken connection.
+            time.sleep(0.3)  # let peers that failed at about the same moment write their reports
+            reports = {r: json.loads(p.read_text()) for r in range(len(procs))
+                       if (p := workdir / f"error-{r}.json").exists()}
+            rank = min(reports, key=lambda r: reports[r]["time"]) if reports else failed[0]
+            detail = reports[rank]["traceback"] if reports else (
+                f"exited with code {codes[rank]} without a Python error (killed, or out of memory?)")
             _kill(procs)
             raise WorkerFailed(rank, detail)
         if all(c == 0 for c in codes):

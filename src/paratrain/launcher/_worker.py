@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -21,9 +23,12 @@ def main(workdir: Path) -> int:
         tmp.rename(workdir / f"result-{rank}.pkl")
         return 0
     except BaseException:
+        failed_at = time.time()
         text = traceback.format_exc()
         sys.stderr.write(text)
-        (workdir / f"error-{rank}.txt").write_text(text)
+        tmp = workdir / f".error-{rank}.json"
+        tmp.write_text(json.dumps({"time": failed_at, "traceback": text}))
+        tmp.rename(workdir / f"error-{rank}.json")
         return 1
     finally:
         try:
