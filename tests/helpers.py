@@ -44,3 +44,46 @@ def paratrain(*args: str, timeout: float = 120, env: dict[str, str] | None = Non
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def toy_data(n: int = 96, d_in: int = 16, d_out: int = 4):  # type: ignore[no-untyped-def]
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(123)
+    return TensorDataset(torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g))
+
+
+def toy_model(d_in: int = 16, hidden: int = 32, d_out: int = 4) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+
+
+def train_toy(strategy: str = "single", global_batch: int = 12, epochs: int = 2, grad_accum: int = 1,
+              precision: str = "32", record: bool = False, **options: object) -> dict[str, object]:
+    """A few epochs of the toy regression under `strategy`; returns final weights, per-step losses and
+    (with record=True) the sample indices this rank saw, for comparisons across world sizes."""
+    from torch.utils.data import DataLoader
+
+    import paratrain
+
+    run = paratrain.setup(strategy=strategy, grad_accum=grad_accum, precision=precision, seed=7, **options)
+    data = toy_data()
+    indexed = torch.utils.data.TensorDataset(torch.arange(len(data)), *data.tensors)
+    loader = run.prepare_loader(DataLoader(indexed, batch_size=run.per_worker_batch(global_batch), shuffle=True))
+    model = toy_model()
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loss_fn = torch.nn.MSELoss()
+    losses, seen = [], []
+    for _ in range(epochs):
+        for idx, x, y in loader:
+            seen.append(idx.tolist())
+            loss = loss_fn(model(x), y)
+            run.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(run.all_reduce(loss.detach(), "mean")))
+    weights = {k: v.detach().clone() for k, v in run.unwrap(model).state_dict().items()}
+    out = {"weights": weights, "losses": losses, "rank": run.rank, "world": run.world_size}
+    if record:
+        out["seen"] = seen
+    run.close()
+    return out

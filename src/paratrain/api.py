@@ -134,7 +134,7 @@ class Run:
         if not collectives.active():
             yield
             return
-        with Join([model]):
+        with Join([model]):  # type: ignore[list-item]
             yield
 
     # -- communication --------------------------------------------------------------------------
@@ -161,7 +161,7 @@ class Run:
         step = state.get("step")
         step = int(step) if isinstance(step, int) else self._saves
         self._saves += 1
-        extra = {"micro": self._steps.micro, "scaler": self.scaler.state_dict() if self.scaler else None,
+        extra = {"step": step, "micro": self._steps.micro, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "strategy": self.strategy.name, "world_size": self.world_size}
         return checkpoint.save(
             self._root(path), step, state, rank=self.rank, world_size=self.world_size,
@@ -183,6 +183,7 @@ class Run:
         extra = checkpoint.load(target, state, rank=self.rank, world_size=self.world_size,
                                 unwrap=self.strategy.unwrap, map_location=self.device)
         self._steps.micro = int(extra.get("micro", 0))
+        self._saves = int(extra.get("step", -1)) + 1  # unnamed saves continue the numbering
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.print(f"paratrain: resumed from {target}")

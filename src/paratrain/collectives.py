@@ -24,7 +24,7 @@ def all_reduce(value: torch.Tensor | float, op: str = "mean", device: torch.devi
         return tensor
     if not tensor.is_floating_point() and op == "mean":
         tensor = tensor.double()
-    dist.all_reduce(tensor, op=_OPS[op], group=group)  # type: ignore[arg-type]
+    dist.all_reduce(tensor, op=_OPS[op], group=group)  # type: ignore[arg-type,call-overload]
     if op == "mean":
         tensor /= dist.get_world_size(group)  # type: ignore[arg-type]
     return tensor

@@ -35,21 +35,24 @@ def examine(master_port: int = 29500) -> list[Finding]:
     if not dist.is_available():
         found.append(Finding("torch.distributed", "missing", "install a torch build with distributed support"))
         return found
-    found.append(Finding("gloo", str(dist.is_gloo_available()),
-                         None if dist.is_gloo_available() else "install a torch build with gloo (CPU workers need it)"))
+    gloo = dist.is_gloo_available()
+    found.append(Finding("gloo", str(gloo), None if gloo else "install a torch build with gloo (CPU workers need it)"))
     nccl = dist.is_nccl_available()
     nccl_text = f"{nccl} (version {'.'.join(map(str, torch.cuda.nccl.version()))})" if nccl and gpus else str(nccl)
-    found.append(Finding("nccl", nccl_text, "install a CUDA build of torch for GPU workers" if gpus and not nccl else None))
-    found.append(Finding("default strategy", "ddp over nccl, one worker per GPU" if gpus else "ddp over gloo, one worker per CPU core"))
+    nccl_fix = "install a CUDA build of torch for GPU workers" if gpus and not nccl else None
+    found.append(Finding("nccl", nccl_text, nccl_fix))
+    default = "ddp over nccl, one worker per GPU" if gpus else "ddp over gloo, one worker per CPU core"
+    found.append(Finding("default strategy", default))
     for var in _LAUNCH_VARS:
         if var in os.environ:
             found.append(Finding(f"env {var}", os.environ[var]))
     threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and not gpus and int(threads) * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) > (os.cpu_count() or 1):
+    workers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if threads and not gpus and int(threads) * workers > (os.cpu_count() or 1):
         found.append(Finding("threads", threads, "set OMP_NUM_THREADS=1 for CPU workers (paratrain run does)"))
     port_free = port_is_free(master_port)
     found.append(Finding(f"port {master_port}", "free" if port_free else "in use",
-                         None if port_free else f"pass --master-port with a free port, or omit it to get one"))
+                         None if port_free else "pass --master-port with a free port, or omit it to get one"))
     return found
 
 

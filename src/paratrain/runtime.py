@@ -147,14 +147,28 @@ def _connect_timeout() -> float:
     return float(value) if value else DEFAULT_CONNECT_TIMEOUT_S
 
 
+_TCP_STORES: dict[tuple[str, int], dist.Store] = {}
+_GENERATION = [0]
+
+
 def _tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -> dist.Store:
+    """One TCPStore per master address for the life of the process; each process group started on it
+    gets its own key prefix, so a script may call setup()/close() several times."""
+    key = (host, port)
+    if key not in _TCP_STORES:
+        _TCP_STORES[key] = _connect_tcp_store(host, port, placement, timeout)
+    _GENERATION[0] += 1
+    return dist.PrefixStore(f"paratrain/{_GENERATION[0]}", _TCP_STORES[key])
+
+
+def _connect_tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -> dist.Store:
     connect = min(_connect_timeout(), timeout.total_seconds())
     try:
         return dist.TCPStore(
             host,
             port,
             world_size=placement.world_size,
-            is_master=placement.rank == 0,
+            is_master=placement.rank == 0 and not _launcher_hosts_store(host, port),
             timeout=timedelta(seconds=connect),
             wait_for_workers=False,
         )
@@ -171,26 +185,18 @@ def _tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -
         ) from None
 
 
+def _launcher_hosts_store(host: str, port: int) -> bool:
+    """`paratrain.launch` (like torchrun's agent) hosts the store itself, so its port is never raced for; it
+    says so the way torch's env:// init understands, and rank 0 then connects as a client too."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR") == host
+            and os.environ.get("MASTER_PORT") == str(port))
+
+
 def _file_store(path: str, world_size: int) -> dist.Store:
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ParatrainError(
-            f"file store {path!r}: directory {parent!r} does not exist or is not writable; "
-            "use a path on a writable filesystem that every worker sees"
-        )
-    if os.path.exists(path) and os.path.getsize(path) > 0 and not _file_store_fresh(path):
-        raise ParatrainError(
-            f"file store {path!r} is left over from an earlier run; delete it or use a new path "
-            "(a file store must not exist before the first worker starts)"
-        )
-    return dist.FileStore(path, world_size)
+    """A stale file from a crashed run is told from live peers' by a lock; see `file_store`."""
+    from . import file_store
 
-
-def _file_store_fresh(path: str) -> bool:
-    """A store file other workers of *this* job are already writing counts as fresh (touched within 60 s)."""
-    import time
-
-    return time.time() - os.path.getmtime(path) < 60
+    return file_store.open_store(path, world_size)
 
 
 def init_process_group(
@@ -212,6 +218,9 @@ def init_process_group(
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    from . import file_store
+
+    file_store.release()  # after the process group, so torch's FileStore has let go of its file first
 
 
 def install_error_file_hook() -> None:

@@ -7,7 +7,7 @@ strategy loads under another. Everything else is a plain value put back into the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from torch import nn
@@ -19,9 +19,12 @@ def _stateful(value: Any) -> bool:
     return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
 
 
-def collect(state: dict[str, Any], unwrap: Unwrap) -> dict[str, Any]:
+def collect(state: dict[str, Any], unwrap: Unwrap, skip: Collection[str] = ()) -> dict[str, Any]:
+    """Every entry of `state` except `skip` (entries another writer stores, e.g. DCP for sharded models)."""
     out: dict[str, Any] = {}
     for key, value in state.items():
+        if key in skip:
+            continue
         if isinstance(value, nn.Module):
             out[key] = {"kind": "module", "value": unwrap(value).state_dict()}
         elif _stateful(value):
@@ -31,10 +34,12 @@ def collect(state: dict[str, Any], unwrap: Unwrap) -> dict[str, Any]:
     return out
 
 
-def apply(state: dict[str, Any], saved: dict[str, Any], unwrap: Unwrap) -> list[str]:
+def apply(state: dict[str, Any], saved: dict[str, Any], unwrap: Unwrap, skip: Collection[str] = ()) -> list[str]:
     """Restore `saved` into `state`; returns keys of `state` the checkpoint did not have."""
     missing = []
     for key, value in list(state.items()):
+        if key in skip:
+            continue
         if key not in saved:
             missing.append(key)
             continue

@@ -1,152 +1,156 @@
 """`paratrain.launch(fn, ...)`: run a function on N workers from a script, a REPL or a notebook.
 
-`mp.spawn` pickles `fn` by reference, so a function defined in a notebook cell (module `__main__`)
-cannot be found by the workers. Here `fn` travels by value (cloudpickle) to fresh `python -m` worker
-processes, each in its own process group so that it and its children can always be killed. The
-parent polls; the first failing worker's traceback is raised in the caller and the rest are ended.
+`mp.spawn` pickles `fn` by reference, so a function defined in a notebook cell (module `__main__`) cannot
+be found by the workers ("Can't get attribute 'demo_basic' on <module '__main__'>"). Here `fn` travels by
+value (cloudpickle) to fresh worker processes (see `_procs`), which also means a script needs no
+`if __name__ == "__main__"` guard. The world size is `nproc` by construction, and the rendezvous store is
+hosted by the launching process itself on a port it already holds (as torchrun's agent does), so no
+"free" port can be taken by someone else before rank 0 binds it. The first failing worker's traceback
+is raised in the caller and the others are ended; a timeout or Ctrl-C ends them too.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import signal
-import subprocess
+import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import cloudpickle
+import torch.distributed as dist
 
+from .. import file_store
 from ..errors import ParatrainError
-from ..runtime import cuda_count, free_port
+from ..runtime import cuda_count
+from . import _procs
 
 
 class WorkerFailed(ParatrainError):
-    """A worker raised or died; carries its rank and traceback."""
+    """A worker raised or died. `rank` is the first to fail, `detail` its traceback, `error` its exception
+    (when it could be sent back), `others` the one-line reports of ranks that failed after it."""
 
-    def __init__(self, rank: int, detail: str) -> None:
-        super().__init__(f"worker rank {rank} failed:\n{detail}")
+    def __init__(self, rank: int, nproc: int, detail: str, error: BaseException | None = None,
+                 others: dict[int, str] | None = None) -> None:
+        also = f"\n(then rank(s) {sorted(others)} failed too; all workers were stopped)" if others else ""
+        super().__init__(f"worker rank {rank} of {nproc} failed:\n{detail.rstrip()}{also}")
         self.rank = rank
         self.detail = detail
+        self.error = error
+        self.others = others or {}
 
 
-def _pump(stream: IO[bytes], rank: int, prefix: bool) -> None:
-    for line in iter(stream.readline, b""):
-        text = line.decode(errors="replace")
-        sys.stdout.write(f"[rank{rank}] {text}" if prefix else text)
-        sys.stdout.flush()
-
-
-def _kill(procs: list[subprocess.Popen[bytes]], grace: float = 3.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.02)
-    for proc in procs:
-        try:  # children the worker left behind (data loader workers) share its process group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-
-
-def _default_nproc() -> int:
-    return cuda_count() or 1
+def _check_nproc(nproc: int | None, accelerator: str) -> int:
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise ParatrainError(f"accelerator must be auto, cpu or cuda, got {accelerator!r}")
+    gpus = 0 if accelerator == "cpu" else cuda_count()
+    if accelerator == "cuda" and not gpus:
+        raise ParatrainError("accelerator='cuda' but no CUDA GPU is visible; use accelerator='cpu' (or 'auto')")
+    nproc = nproc if nproc is not None else (gpus or 1)
+    if nproc < 1:
+        raise ParatrainError(f"nproc must be >= 1, got {nproc}")
+    if gpus and nproc > gpus:
+        raise ParatrainError(
+            f"nproc={nproc} but only {gpus} GPU(s) are visible: one worker per GPU allows at most nproc={gpus}; "
+            f"use nproc<={gpus}, or accelerator='cpu' to run {nproc} CPU workers"
+        )
+    return nproc
 
 
 def launch(
     fn: Any, *args: Any, nproc: int | None = None, timeout: float | None = None, init: str | None = None,
-    all_ranks: bool = False, env: dict[str, str] | None = None, threads_per_worker: int = 1,
-    prefix_output: bool = True, **kwargs: Any,
+    all_ranks: bool = False, accelerator: str = "auto", threads_per_worker: int = 1,
+    env: dict[str, str] | None = None, prefix_output: bool = True, **kwargs: Any,
 ) -> Any:
-    """Run `fn(*args, **kwargs)` on `nproc` workers; returns rank 0's result (a list of all with all_ranks=True).
+    """Run `fn(*args, **kwargs)` on `nproc` workers; return rank 0's result, or every rank's with all_ranks=True.
 
-    Inside `fn`, `paratrain.setup()` finds the world size, rank and a free master port. A worker that
-    raises makes this raise `WorkerFailed` with its rank and traceback within seconds; `timeout`
-    (seconds) bounds the whole run.
+    Inside `fn`, `paratrain.setup()` (or plain `dist.init_process_group()`) finds rank, world size and the
+    store. Default `nproc`: one worker per visible GPU, else 1; `accelerator="cpu"` hides the GPUs from the
+    workers. CPU workers get `threads_per_worker` threads each. `init="file:///path"` makes setup() use a
+    file store there. A failing worker raises `WorkerFailed` here; `timeout` (seconds) bounds the whole run.
     """
-    gpus = cuda_count()
-    nproc = nproc if nproc is not None else _default_nproc()
-    if nproc < 1:
-        raise ParatrainError(f"nproc must be >= 1, got {nproc}")
-    if gpus and nproc > gpus and (env or {}).get("PARATRAIN_ACCELERATOR", "auto") != "cpu":
-        raise ParatrainError(
-            f"nproc={nproc} but only {gpus} GPU(s) are visible; use nproc<={gpus} (one worker per GPU)"
-        )
+    nproc = _check_nproc(nproc, accelerator)
+    store_path = file_store.path_of(init) if init else None
+    if store_path:
+        file_store.preflight(store_path, expect_idle=True)
     workdir = Path(tempfile.mkdtemp(prefix="paratrain-launch-"))
-    (workdir / "payload.pkl").write_bytes(cloudpickle.dumps((fn, args, kwargs)))
-    port = free_port()
-    base = dict(os.environ)
-    base.update(env or {})
-    base["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [base.get("PYTHONPATH", "")])
-    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
-                 "LOCAL_WORLD_SIZE": str(nproc), "PARATRAIN_LAUNCHER": "launch", "PYTHONUNBUFFERED": "1"})
-    if init:
-        base["PARATRAIN_INIT"] = init
-    if not gpus:
-        base.setdefault("OMP_NUM_THREADS", str(threads_per_worker))
-    procs: list[subprocess.Popen[bytes]] = []
-    pumps: list[threading.Thread] = []
+    (workdir / "payload.pkl").write_bytes(cloudpickle.dumps((fn, args, kwargs, all_ranks)))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    workers: list[_procs.Worker] = []
     try:
+        base = _worker_env(nproc, store.port, init, accelerator, threads_per_worker, env)
         for rank in range(nproc):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "paratrain.launcher._worker", str(workdir)],
-                env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            procs.append(proc)
-            assert proc.stdout is not None
-            pump = threading.Thread(target=_pump, args=(proc.stdout, rank, prefix_output), daemon=True)
-            pump.start()
-            pumps.append(pump)
-        _wait(procs, workdir, timeout)
-        results = [_read(workdir / f"result-{r}.pkl") for r in range(nproc)]
+            argv = [sys.executable, "-m", "paratrain.launcher._worker", str(workdir), str(rank)]
+            workers.append(_procs.start(rank, argv, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                        prefix_output))
+        _wait(workers, workdir, timeout)
+        results = [_load(workdir / f"result-{r}.pkl") for r in (range(nproc) if all_ranks else [0])]
         return results if all_ranks else results[0]
     finally:
-        _kill(procs)
-        for pump in pumps:
-            pump.join(timeout=2)
-        for file in workdir.iterdir():
-            file.unlink()
-        workdir.rmdir()
+        _procs.stop(workers)
+        del store  # frees the port now, even if a notebook keeps this frame alive in its last traceback
+        if store_path:
+            file_store.remove_if_unused(store_path)  # every worker has ended: a file left now is this run's
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _read(path: Path) -> Any:
+def _worker_env(nproc: int, port: int, init: str | None, accelerator: str, threads: int,
+                extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "PARATRAIN_INIT"))}
+    # Modules importable here (the notebook's folder, a script's siblings) stay importable in the workers.
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "PARATRAIN_LAUNCHER": "launch",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": str(threads)})
+    if accelerator == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if init:
+        env["PARATRAIN_INIT"] = init
+    env.update(extra or {})
+    return env
+
+
+def _load(path: Path) -> Any:
     with open(path, "rb") as f:
         return pickle.load(f)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], workdir: Path, timeout: float | None) -> None:
+def _wait(workers: list[_procs.Worker], workdir: Path, timeout: float | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            # Name the rank that failed first: peers usually die afterwards of the broken connection.
-            time.sleep(0.3)  # let peers that failed at about the same moment write their reports
-            reports = {r: json.loads(p.read_text()) for r in range(len(procs))
-                       if (p := workdir / f"error-{r}.json").exists()}
-            rank = min(reports, key=lambda r: reports[r]["time"]) if reports else failed[0]
-            detail = reports[rank]["traceback"] if reports else (
-                f"exited with code {codes[rank]} without a Python error (killed, or out of memory?)")
-            _kill(procs)
-            raise WorkerFailed(rank, detail)
+        codes = [w.code for w in workers]
+        if any(c not in (None, 0) for c in codes):
+            raise _failure(workers, workdir)
         if all(c == 0 for c in codes):
             return
         if deadline is not None and time.monotonic() > deadline:
-            _kill(procs)
-            alive = [r for r, c in enumerate(codes) if c is None]
-            raise ParatrainError(f"workers {alive} did not finish within {timeout:.0f}s; they were stopped")
+            alive = [w.rank for w in workers if w.code is None]
+            raise ParatrainError(
+                f"paratrain.launch: worker rank(s) {alive} still running after timeout={timeout:g}s and were "
+                "stopped; raise the timeout, or look for a rank waiting in a collective its peers never reach"
+            )
         time.sleep(0.02)
+
+
+def _failure(workers: list[_procs.Worker], workdir: Path) -> WorkerFailed:
+    """Name the rank that failed first: its peers usually fail afterwards, of the broken connection. A worker
+    writes its report before it tears its process group down, so the first report is already there."""
+    reports = {w.rank: _load(p) for w in workers if (p := workdir / f"error-{w.rank}.pkl").exists()}
+    if reports:
+        rank = min(reports, key=lambda r: reports[r]["time"])
+        error = None
+        try:
+            error = pickle.loads(reports[rank]["error"]) if reports[rank]["error"] else None
+        except Exception:
+            pass
+        others = {r: rep["summary"] for r, rep in reports.items() if r != rank}
+        return WorkerFailed(rank, len(workers), reports[rank]["traceback"], error, others)
+    worker = next(w for w in workers if w.code not in (None, 0))
+    code = worker.code or 0
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    return WorkerFailed(worker.rank, len(workers),
+                        f"the process {how} without a Python error (out of memory? a crash in native code?)")

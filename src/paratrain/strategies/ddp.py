@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -47,6 +48,11 @@ def register_comm_hook(model: DistributedDataParallel, name: str | None) -> None
 
 def convert_sync_batchnorm(model: nn.Module, ctx: Context) -> nn.Module:
     if not ctx.config.sync_batchnorm:
+        return model
+    if ctx.device.type != "cuda":
+        # torch's SyncBatchNorm runs on GPUs only; on CPU workers statistics stay per worker.
+        warnings.warn("sync_batchnorm=True is ignored on CPU workers (torch supports SyncBatchNorm on CUDA only)",
+                      stacklevel=3)
         return model
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 

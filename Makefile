@@ -1,0 +1,30 @@
+# `make bench` and `make test` work on a fresh clone: both create .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint typecheck bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook]' 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import paratrain, torch, matplotlib, pytest" 
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check src tests examples benchmarks
+
+typecheck: setup
+	$(VENV)/bin/mypy src/paratrain
+
+test: setup lint typecheck
+	$(VENV)/bin/pytest -q
+
+bench: setup
+	$(VENV)/bin/paratrain bench --out results/bench
+
+clean:
+	rm -rf $(VENV) results .mypy_cache .ruff_cache .pytest_cache

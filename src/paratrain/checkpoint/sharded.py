@@ -1,0 +1,94 @@
+"""Model and optimizer state of sharded strategies, through torch.distributed.checkpoint (DCP).
+
+When ranks hold different parts of the model (pipeline stages, FSDP shards) no rank has the whole
+state to write. DCP writes every rank's tensors plus one global index and, on load, hands each rank
+the slices it asks for, so a sharded run resumes even on another world size as long as the
+strategy's state-dict keys are the original model's parameter names (FSDP's are; a pipeline split
+that keeps the original module names is too). Optimizer state goes through torch's
+`get_optimizer_state_dict`, which keys it by parameter name instead of the per-rank integer ids a
+plain `optimizer.state_dict()` uses (those would collide between stages).
+
+Everything else in the user's state (schedulers, the loader position, plain values) is small and
+written per rank by the manager with torch.save.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..faults.diagnose import is_comm_failure
+from .state import Unwrap
+
+_DIR = "model"
+"""Subdirectory of a checkpoint holding the DCP files."""
+
+
+def _base_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def split(state: dict[str, Any], unwrap: Unwrap) -> tuple[dict[str, nn.Module], dict[str, tuple[nn.Module, Any]]]:
+    """The modules and the (module, optimizer) pairs of `state` that DCP handles."""
+    modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, nn.Module)}
+    optimizers: dict[str, tuple[nn.Module, Any]] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.optim.Optimizer):
+            continue
+        optimizer = _base_optimizer(value)
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [m for m in modules.values() if any(id(p) in params for p in m.parameters())]
+        if not owners:
+            raise CheckpointError(
+                f"state[{key!r}] is an optimizer whose parameters belong to no model in the state; a sharded "
+                "checkpoint stores optimizer state by parameter name, so put its model in the state dict too"
+            )
+        optimizers[key] = (owners[0], optimizer)
+    return modules, optimizers
+
+
+def handled(state: dict[str, Any]) -> set[str]:
+    return {k for k, v in state.items() if isinstance(v, nn.Module | torch.optim.Optimizer)}
+
+
+def _state_dicts(modules: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, Any]]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out: dict[str, Any] = {f"model.{k}": get_model_state_dict(m) for k, m in modules.items()}
+    out.update({f"optim.{k}": get_optimizer_state_dict(m, o) for k, (m, o) in optimizers.items()})
+    return out
+
+
+def save(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
+    """Collective: every rank writes its shards into `checkpoint/model/`."""
+    import torch.distributed.checkpoint as dcp
+
+    modules, optimizers = split(state, unwrap)
+    dcp.save(_state_dicts(modules, optimizers), checkpoint_id=str(checkpoint / _DIR))
+
+
+def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
+    """Collective: every rank reads the slices of the saved tensors that its own state dicts hold."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    modules, optimizers = split(state, unwrap)
+    target = _state_dicts(modules, optimizers)
+    try:
+        dcp.load(target, checkpoint_id=str(checkpoint / _DIR))
+    except Exception as exc:
+        if is_comm_failure(exc):
+            raise
+        raise CheckpointError(
+            f"sharded checkpoint {str(checkpoint)!r} does not fit this model: {str(exc).strip()[:800]}"
+        ) from exc
+    for key, module in modules.items():
+        set_model_state_dict(module, target[f"model.{key}"])
+    for key, (module, optimizer) in optimizers.items():
+        set_optimizer_state_dict(module, optimizer, target[f"optim.{key}"])

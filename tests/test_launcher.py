@@ -1,0 +1,107 @@
+"""`paratrain run`, torchrun and plain python run the same example to the same weights; bad launch input
+fails in seconds with the fix named."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import EXAMPLES, ROOT, max_diff, paratrain, run_cmd
+
+from paratrain.runtime import free_port
+
+TOY = str(EXAMPLES / "toy.py")
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def single_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("single") / "w.pt"
+    res = run_cmd([sys.executable, TOY, "--strategy", "single", "--save-weights", str(out)], timeout=60)
+    assert res.returncode == 0, res.stdout
+    return torch.load(out)  # type: ignore[no-any-return]
+
+
+def test_same_script_under_python_paratrain_run_and_torchrun(tmp_path: Path, single_weights: dict) -> None:
+    commands = {
+        "python": [sys.executable, TOY],
+        "paratrain-run": [sys.executable, "-m", "paratrain.cli", "run", "--nproc", "2", TOY],
+        "torchrun": [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", TOY],
+    }
+    for name, cmd in commands.items():
+        out = tmp_path / f"{name}.pt"
+        res = run_cmd([*cmd, "--save-weights", str(out)], timeout=90)
+        assert res.returncode == 0, f"{name}:\n{res.stdout[-3000:]}"
+        assert "epoch 1 loss" in res.stdout
+        assert max_diff(torch.load(out), single_weights) < 2e-6, name
+
+
+def test_two_nodes_on_loopback(tmp_path: Path, single_weights: dict) -> None:
+    port = free_port()
+    out = tmp_path / "w.pt"
+    common = ["--nnodes", "2", "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--run-id", f"t{port}", "--connect-timeout", "60"]
+    import subprocess
+
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", *common, "--node-rank", str(rank), TOY,
+                          "--save-weights", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                import os
+                import signal
+
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
+    assert max_diff(torch.load(out), single_weights) < 2e-6
+
+
+def _fast_error(args: list[str], match: str, limit: float = 15) -> str:
+    start = time.monotonic()
+    res = paratrain(*args, timeout=60)
+    took = time.monotonic() - start
+    assert res.returncode != 0, res.stdout
+    assert match in res.stdout, res.stdout[-3000:]
+    assert took < limit, f"took {took:.1f}s"
+    return res.stdout
+
+
+def test_busy_port_is_reported() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        _fast_error(["run", "--nproc", "2", "--master-port", str(port), TOY], f"--master-port {port} is already in use")
+
+
+def test_unreachable_master_is_bounded() -> None:
+    port = free_port()
+    args = ["run", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--connect-timeout", "2", TOY]
+    _fast_error(args, f"cannot reach the master at 127.0.0.1:{port} within 2s")
+
+
+def test_bad_flags_fail_fast() -> None:
+    _fast_error(["run", "--nnodes", "2", "--node-rank", "2", "--master-port", "29999", TOY],
+                "out of range for --nnodes 2")
+    _fast_error(["run", "--backend", "nccl", TOY], "--backend nccl needs CUDA GPUs")
+    _fast_error(["run", "missing_script.py"], "script 'missing_script.py' not found")
+
+
+def test_errors_inside_workers_name_the_fix() -> None:
+    # a global batch smaller than the world size, and dp on a CPU-only machine
+    out = _fast_error(["run", "--nproc", "3", TOY, "--global-batch", "2"], "global batch 2 cannot be split evenly",
+                      limit=40)
+    assert "failed" in out
+    _fast_error(["run", "--nproc", "1", TOY, "--strategy", "dp"],
+                "strategy 'dp' (torch.nn.DataParallel) needs CUDA GPUs", limit=40)
