@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import logging
@@ -21,9 +22,6 @@ from .errors import ParatrainError
 from .optim import PreparedOptimizer, Steps
 from .precision import apply_autocast, make_scaler
 from .strategies.base import Context, LossFn, Strategy
-
-log = logging.getLogger("paratrain")
-
 
 class Run:
     """One process's view of a training job; made by `paratrain.setup`."""
@@ -144,6 +142,14 @@ class Run:
     def barrier(self) -> None:
         collectives.barrier()
 
+    @property
+    def logger(self) -> logging.Logger:
+        """A logger that writes on rank 0 only (other ranks log warnings and errors)."""
+        logger = logging.getLogger(f"paratrain.run.rank{self.rank}")
+        if not self.is_main:
+            logger.setLevel(logging.WARNING)
+        return logger
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
             kwargs.setdefault("flush", True)
@@ -206,6 +212,7 @@ def setup(**kwargs: Any) -> Run:
         backend = runtime.pick_backend(config.backend, device)
         timeout = config.timeout_s or runtime.default_timeout_s()
         runtime.init_process_group(placement, backend, config.init, timeout, device)
+        atexit.register(runtime.destroy_process_group)
     _seed(config.seed)
     return Run(config, strategy, ctx)
 

@@ -1,94 +1,151 @@
 """The collective save/load protocol all ranks follow.
 
-    rank 0: make tmp dir ──broadcast path──▶ every rank writes its files ──barrier──▶
-    rank 0: seal + rename + update `latest` + retention ──barrier──▶ done
+    rank 0: make .tmp dir ──broadcast path──▶ every rank writes + fsyncs its files ──barrier──▶
+    rank 0: manifest + rename + `latest` + retention ──broadcast outcome──▶ every rank returns or raises
 
-Replicated strategies write one `shared.pt` from rank 0; strategies whose ranks hold different
-parts of the model write `rank-R.pt` from every rank. Each rank always writes its RNG state.
+Replicated strategies write one `shared.pt` from rank 0; sharded ones (`strategy.sharded_state`)
+write their models and optimizers with torch.distributed.checkpoint into `model/` and the rest of
+the state into `rank-R.pt`. Every rank writes `rng-R.pt` (its Python, torch, CUDA and numpy
+generators), so a resumed rank draws the same dropout masks it would have drawn. Decisions that
+one rank makes (which checkpoint to load, whether it verified) are broadcast as an outcome, so a
+rank-0 error is raised on every rank instead of leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from . import rng, store
+from . import rng, sharded, store
 from . import state as state_mod
 from .state import Unwrap
 
+T = TypeVar("T")
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
 
 def _broadcast(obj: Any) -> Any:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not _distributed():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
+def _on_rank0(rank: int, fn: Callable[[], T]) -> T:
+    """Run `fn` on rank 0 and give every rank its result, or raise its CheckpointError on every rank."""
+    outcome: tuple[str, Any] | None = None
+    if rank == 0:
+        try:
+            outcome = ("ok", fn())
+        except CheckpointError as exc:
+            outcome = ("error", str(exc))
+        except OSError as exc:
+            outcome = ("error", f"checkpoint I/O failed on rank 0: {exc}")
+    kind, value = _broadcast(outcome)
+    if kind == "error":
+        raise CheckpointError(value)
+    return value  # type: ignore[no-any-return]
+
+
 def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed():
         dist.barrier()
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    store.write_file(path, lambda f: torch.save(obj, f))
 
 
 def save(
     root: str | Path, step: int, user_state: dict[str, Any], *, rank: int, world_size: int, unwrap: Unwrap,
-    sharded: bool, keep: int, extra: dict[str, Any],
+    sharded_state: bool, keep: int, extra: dict[str, Any],
 ) -> Path:
+    """Write a complete checkpoint of `user_state` at `step` under `root`; collective."""
     root = Path(root)
-    tmp = _broadcast(str(store.begin(root, step)) if rank == 0 else None)
-    payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
-    if sharded:
-        torch.save(payload, Path(tmp) / f"rank-{rank}.pt")
-    elif rank == 0:
-        torch.save(payload, Path(tmp) / "shared.pt")
-    torch.save(rng.capture(), Path(tmp) / f"rng-{rank}.pt")
+    tmp = Path(_on_rank0(rank, lambda: str(store.begin(root, step))))
+    if sharded_state:
+        sharded.save(tmp, user_state, unwrap)
+        rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
+        _torch_save({"state": rest, "extra": extra}, tmp / f"rank-{rank}.pt")
+    else:
+        payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
+        if rank == 0:
+            _torch_save(payload, tmp / "shared.pt")
+    _torch_save(rng.capture(), tmp / f"rng-{rank}.pt")
     _barrier()
-    final = root / store.checkpoint_name(step)
-    if rank == 0:
-        store.publish(root, Path(tmp), step, {"world_size": world_size, "sharded": sharded})
+    info = {"world_size": world_size, "sharded": sharded_state, "layout": "dcp" if sharded_state else "torch"}
+
+    def publish() -> str:
+        final = store.publish(root, tmp, step, info)
         store.retain(root, keep)
-    _barrier()
-    return final
+        return str(final)
+
+    return Path(_on_rank0(rank, publish))
 
 
 def find(root: str | Path, rank: int) -> Path | None:
-    """Rank 0 picks the newest complete checkpoint (reporting broken newer ones); all ranks agree on it."""
-    chosen = None
-    if rank == 0:
-        def skip(path: Path, exc: Exception) -> None:
-            warnings.warn(f"skipping broken checkpoint {path.name}: {exc}; falling back to an older one", stacklevel=3)
+    """The checkpoint to resume from: `latest` if it verifies, else the newest one that does (with a
+    warning naming what was skipped). Rank 0 verifies checksums; all ranks get its answer."""
+
+    def pick() -> str | None:
+        def skip(path: Path, exc: CheckpointError) -> None:
+            warnings.warn(f"paratrain: skipping broken checkpoint {path.name}: {exc}; falling back to an older one",
+                          stacklevel=2)
 
         found = store.newest_complete(Path(root), on_skip=skip)
-        chosen = str(found[0]) if found else None
-    chosen = _broadcast(chosen)
+        return str(found[0]) if found else None
+
+    chosen = _on_rank0(rank, pick)
     return Path(chosen) if chosen else None
+
+
+def check(path: str | Path, rank: int) -> None:
+    """CheckpointError on every rank unless `path` is one complete checkpoint (rank 0 checks checksums)."""
+    _on_rank0(rank, lambda: store.verify(Path(path), deep=True) and None)
 
 
 def load(
     path: str | Path, user_state: dict[str, Any], *, rank: int, world_size: int, unwrap: Unwrap,
-    map_location: Any, verify: bool = True,
+    map_location: Any, verified: bool = False,
 ) -> dict[str, Any]:
+    """Restore checkpoint `path` into `user_state` in place; returns the `extra` dict saved with it."""
     path = Path(path)
-    meta = store.verify(path, deep=verify and rank == 0)
-    sharded = bool(meta.get("sharded"))
-    saved_world = int(meta.get("world_size", 1))  # type: ignore[call-overload]
-    if sharded and saved_world != world_size:
-        raise CheckpointError(
-            f"checkpoint {path.name} holds {saved_world} model shards but this run has {world_size} ranks; "
-            f"resume with {saved_world} workers"
-        )
-    file = path / (f"rank-{rank}.pt" if sharded else "shared.pt")
-    try:
-        payload = torch.load(file, map_location=map_location, weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {str(file)!r} cannot be read: {exc}") from None
-    state_mod.apply(user_state, payload["state"], unwrap)
+    if not verified:
+        check(path, rank)
+    meta = store.verify(path, deep=False)
+    saved_world = int(meta.get("world_size", 1))
+    if meta.get("sharded"):
+        sharded.load(path, user_state, unwrap)
+        own = path / f"rank-{rank}.pt"
+        file = own if own.exists() else path / "rank-0.pt"  # a rank the saving run did not have
+        skip = sharded.handled(user_state)
+    else:
+        file, skip = path / "shared.pt", set()
+    payload = _torch_load(file, map_location)
+    missing = state_mod.apply(user_state, payload["state"], unwrap, skip=skip)
+    if missing and rank == 0:
+        warnings.warn(f"paratrain: checkpoint {path.name} has no entry for {missing}; they keep their current values",
+                      stacklevel=3)
     rng_file = path / f"rng-{rank}.pt"
     if rng_file.exists():
-        rng.restore(torch.load(rng_file, weights_only=False))
+        rng.restore(_torch_load(rng_file, None))
+    elif rank == 0 or saved_world == world_size:
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {rng_file.name}")
     return payload["extra"]  # type: ignore[no-any-return]
+
+
+def _torch_load(file: Path, map_location: Any) -> Any:
+    try:
+        return torch.load(file, map_location=map_location, weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint file {str(file)!r} cannot be read: {exc}") from None

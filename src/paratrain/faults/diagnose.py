@@ -14,6 +14,7 @@ collective fails on one rank, comparing its (name, number) with every peer's sor
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import socket
@@ -46,6 +47,7 @@ def is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _MARKERS)
 
 
+@functools.lru_cache(maxsize=1024)
 def _is_user(filename: str) -> bool:
     try:
         path = str(Path(filename).resolve())

@@ -1,0 +1,143 @@
+"""Heartbeats and the collective guard: why a hung job names the missing rank and its line.
+
+A collective that waits for a rank that never comes fails after the process group's timeout (gloo
+raises, NCCL's watchdog aborts) with a message about sockets. To say *who* is missing and *where*,
+every rank runs one daemon thread that, every `interval` seconds, publishes to the job's store:
+
+    paratrain/beat/<rank> = {t, seq, op, where, pid, host}
+
+where `op`/`seq` is the paratrain collective the rank is in (the n-th it entered) and `where` the
+file and line its main thread is at (read from `sys._current_frames`, so a rank sleeping or busy in
+user code is located too). `Watch.op(name)` wraps every collective `Run` performs; when one fails
+with a communication error it reads all heartbeats and raises `CollectiveTimeout` with the report
+from `diagnose.report`. The thread only reads a frame and writes one small key: no collectives,
+no locks shared with training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import CollectiveTimeout
+from . import diagnose
+
+_KEY = "paratrain/beat/"
+
+
+def interval_for(timeout_s: float) -> float:
+    """Heartbeats often enough that a report is at most a tenth of the timeout old, at most every 2 s."""
+    return min(2.0, max(0.05, timeout_s / 10))
+
+
+class Watch:
+    """One rank's heartbeat publisher and collective guard (inactive on a single process)."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        self.store = store
+        self.rank, self.world_size = rank, world_size
+        self.interval = interval_for(timeout_s)
+        self.silent_after = max(3 * self.interval, 1.0)
+        self.op = ""
+        self.seq = 0
+        self._since = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._host, self._pid = socket.gethostname(), os.getpid()
+
+    @classmethod
+    def start(cls, rank: int, world_size: int, timeout_s: float) -> Watch:
+        """A running watch on the default process group's store; an inactive one without peers."""
+        import torch.distributed as dist
+
+        store = None
+        if world_size > 1 and dist.is_initialized():
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except (RuntimeError, ValueError):
+                store = None
+        watch = cls(store, rank, world_size, timeout_s)
+        if store is not None:
+            watch.publish()
+            watch._thread = threading.Thread(target=watch._loop, name="paratrain-heartbeat", daemon=True)
+            watch._thread.start()
+        return watch
+
+    # -- publishing -----------------------------------------------------------------------------
+    def _beat(self) -> dict[str, Any]:
+        return {"t": time.time(), "seq": self.seq, "op": self.op, "where": diagnose.main_thread_where(),
+                "pid": self._pid, "host": self._host}
+
+    def publish(self) -> None:
+        if self.store is not None:
+            self.store.set(f"{_KEY}{self.rank}", json.dumps(self._beat()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.publish()
+            except Exception:  # the store went away with its host: nothing left to report to
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+        self._thread = None
+
+    # -- the guard ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def op_scope(self, name: str) -> Iterator[None]:
+        """Mark this rank as inside collective `name`; turn a communication failure into a named report."""
+        if self.store is None or self.op:  # nested (save -> broadcast): the outer call names it
+            yield
+            return
+        self.seq += 1
+        self.op, self._since = name, time.time()
+        try:
+            yield
+        except Exception as exc:
+            if isinstance(exc, CollectiveTimeout) or not diagnose.is_comm_failure(exc):
+                raise
+            missing, text = self.diagnose(exc)
+            err = CollectiveTimeout(text)
+            err.missing = missing  # type: ignore[attr-defined]
+            raise err from exc
+        finally:
+            self.op = ""
+
+    def read(self) -> dict[int, diagnose.Beat | None]:
+        beats: dict[int, diagnose.Beat | None] = {}
+        for peer in range(self.world_size):
+            key = f"{_KEY}{peer}"
+            try:
+                beats[peer] = diagnose.Beat.from_dict(peer, json.loads(self.store.get(key))) \
+                    if self.store.check([key]) else None
+            except Exception:
+                beats[peer] = None
+        return beats
+
+    def diagnose(self, exc: BaseException) -> tuple[list[int], str]:
+        """Read every heartbeat (waiting briefly for peers whose last one predates this collective)."""
+        waited = time.time() - self._since
+        deadline = time.monotonic() + 2 * self.interval
+        beats = self.read()
+        while time.monotonic() < deadline and any(
+            b is not None and b.time < self._since and time.time() - b.time < self.silent_after
+            and not diagnose._exited(b) for p, b in beats.items() if p != self.rank
+        ):
+            time.sleep(self.interval / 4)
+            beats = self.read()
+        here = diagnose.where(sys._getframe())
+        return diagnose.report(self.rank, self.op, self.seq, beats, exc, waited, self.silent_after, here)
+
+
+INACTIVE = Watch(None, 0, 1, 600.0)
+"""The watch of a run without peers: `op_scope` is a plain pass-through."""
