@@ -81,9 +81,15 @@ def train_toy(strategy: str = "single", global_batch: int = 12, epochs: int = 2,
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(run.all_reduce(loss.detach(), "mean")))
-    weights = {k: v.detach().clone() for k, v in run.unwrap(model).state_dict().items()}
+    weights = {k: _full(v) for k, v in run.unwrap(model).state_dict().items()}
     out = {"weights": weights, "losses": losses, "rank": run.rank, "world": run.world_size}
     if record:
         out["seen"] = seen
     run.close()
     return out
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from a possibly sharded one (FSDP2 keeps DTensor shards)."""
+    full = getattr(value, "full_tensor", None)
+    return (full() if full is not None else value).detach().clone()

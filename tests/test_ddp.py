@@ -1,4 +1,4 @@
-"""DDP on 2 and 3 CPU workers reaches the weights of one process at the same global batch.
+"""DDP (and FSDP2) on 2 and 3 CPU workers reach the weights of one process at the same global batch.
 
 Tolerance: float32 weights agree to 2e-6 absolute (all-reduce sums gradients in another order);
 bf16 autocast runs agree to 2e-2 (per-rank matmuls round differently with the smaller batch)."""
@@ -31,16 +31,18 @@ def test_ddp_matches_single(nproc: int, reference: dict[str, dict[str, object]])
         {"strategy": "ddp", "global_batch": 12},
         {"strategy": "ddp", "global_batch": 24, "grad_accum": 2},
         {"strategy": "ddp", "global_batch": 12, "precision": "bf16"},
+        {"strategy": "fsdp", "global_batch": 24, "grad_accum": 2},
     ]
     results = paratrain.launch(_many, configs, nproc=nproc, timeout=120, all_ranks=True)
     for rank_results in results:
-        plain, accum, bf16 = rank_results
+        plain, accum, bf16, fsdp = rank_results
         assert plain["world"] == nproc
         assert max_diff(plain["weights"], reference["fp32"]["weights"]) < 2e-6
         assert plain["losses"] == pytest.approx(reference["fp32"]["losses"], abs=1e-6)
         assert max_diff(accum["weights"], reference["accum"]["weights"]) < 2e-6
         assert len(accum["losses"]) == 2 * len(reference["accum"]["losses"])
         assert max_diff(bf16["weights"], reference["bf16"]["weights"]) < 2e-2
+        assert max_diff(fsdp["weights"], reference["accum"]["weights"]) < 2e-6  # sharded, same math
     # every rank holds the same weights
     assert max_diff(results[0][0]["weights"], results[-1][0]["weights"]) == 0.0
 

@@ -69,8 +69,8 @@ def _kernel_manager(tmp: Path):  # type: ignore[no-untyped-def]
     return KernelManager(kernel_name="paratrain-venv", kernel_spec_manager=specs)
 
 
-def _stream_text(cell) -> str:  # type: ignore[no-untyped-def]
-    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+def _stream_text(cell, name: str = "stdout") -> str:  # type: ignore[no-untyped-def]
+    return "".join(o["text"] for o in cell.outputs if o.get("output_type") == "stream" and o["name"] == name)
 
 
 def _alive(pid: int) -> bool:
@@ -87,9 +87,13 @@ def test_launch_from_a_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the launcher, not the kernel's environment, decides threads
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent(src).strip()) for src in CELLS]
-    client = nbclient.NotebookClient(nb, km=_kernel_manager(tmp_path), timeout=180,
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    km = _kernel_manager(tmp_path)
+    client = nbclient.NotebookClient(nb, km=km, timeout=180, resources={"metadata": {"path": str(tmp_path)}})
+    try:
+        client.execute()
+    finally:
+        if km.has_kernel:
+            km.shutdown_kernel()  # a kernel manager handed to nbclient stays ours to stop
 
     launch_out = _stream_text(nb.cells[2])
     report = json.loads(_stream_text(nb.cells[4]).split("REPORT ", 1)[1])

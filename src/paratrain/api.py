@@ -19,9 +19,11 @@ from . import checkpoint, collectives, runtime, strategies
 from .config import Config, make_config
 from .data import ShardedLoader
 from .errors import ParatrainError
-from .optim import PreparedOptimizer, Steps
+from .faults import INACTIVE, StopRequest, Watch
+from .optim import PreparedOptimizer, Steps, rebind
 from .precision import apply_autocast, make_scaler
 from .strategies.base import Context, LossFn, Strategy
+
 
 class Run:
     """One process's view of a training job; made by `paratrain.setup`."""
@@ -34,6 +36,9 @@ class Run:
         self.scaler = make_scaler(config.precision, ctx.device.type)
         self._sync_ctx: contextlib.AbstractContextManager[Any] | None = None
         self._saves = 0
+        self._watch: Watch = INACTIVE
+        self._stop = StopRequest()
+        self._stop_seen: tuple[int, bool] | None = None
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -76,12 +81,14 @@ class Run:
     # -- preparing objects ----------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """Wrap the model for the strategy (and the optimizer for accumulation/AMP); returns (model, optimizer)."""
+        before = dict(model.named_parameters())
         wrapped = self.strategy.wrap(model, self.ctx)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         wrapped.register_forward_pre_hook(self._enter_micro_step)
         _seed(self.config.seed + 1 + self.rank)  # weights are built; from here on randomness differs per rank
         if optimizer is None:
             return wrapped
+        rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
         return wrapped, PreparedOptimizer(optimizer, self._steps, self.scaler)
 
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
@@ -110,17 +117,19 @@ class Run:
         if self.config.grad_accum > 1:
             loss = loss / self.config.grad_accum
         try:
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
+            with self._watch.op_scope("backward"):  # DDP all-reduces gradients inside backward
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
         finally:
             self._leave_micro_step()
             self._steps.micro += 1
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank."""
-        loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, self.backward)
+        with self._watch.op_scope("forward_backward"):
+            loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, self.backward)
         self._leave_micro_step()
         return loss
 
@@ -137,10 +146,24 @@ class Run:
 
     # -- communication --------------------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        return collectives.all_reduce(value, op=op, device=self.device)
+        with self._watch.op_scope("all_reduce"):
+            return collectives.all_reduce(value, op=op, device=self.device)
 
     def barrier(self) -> None:
-        collectives.barrier()
+        with self._watch.op_scope("barrier"):
+            collectives.barrier()
+
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank once any rank got SIGTERM (preemption): save and leave the loop. Collective
+        (read it at the same point on every rank, e.g. once per step); reading it once makes SIGTERM wait for it."""
+        self._stop.polled = True
+        if self._stop_seen is not None and self._stop_seen[0] == self._steps.micro:
+            return self._stop_seen[1]  # asked again within the same step: same answer, no second collective
+        with self._watch.op_scope("should_stop"):
+            flag = bool(collectives.all_reduce(float(self._stop.requested), op="max", device=self.device) > 0)
+        self._stop_seen = (self._steps.micro, flag)
+        return flag
 
     @property
     def logger(self) -> logging.Logger:
@@ -165,29 +188,32 @@ class Run:
     def save(self, state: dict[str, Any], path: str | Path | None = None) -> Path:
         """Write a complete checkpoint atomically (collective: every rank calls it)."""
         step = state.get("step")
-        step = int(step) if isinstance(step, int) else self._saves
-        self._saves += 1
+        step = int(step) if isinstance(step, int) or (torch.is_tensor(step) and step.numel() == 1) else self._saves
+        self._saves = step + 1
         extra = {"step": step, "micro": self._steps.micro, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "strategy": self.strategy.name, "world_size": self.world_size}
-        return checkpoint.save(
-            self._root(path), step, state, rank=self.rank, world_size=self.world_size,
-            unwrap=self.strategy.unwrap, sharded=getattr(self.strategy, "sharded_state", False),
-            keep=self.config.keep_last, extra=extra,
-        )
+        with self._watch.op_scope("save"):
+            return checkpoint.save(
+                self._root(path), step, state, rank=self.rank, world_size=self.world_size,
+                unwrap=self.strategy.unwrap, sharded_state=getattr(self.strategy, "sharded_state", False),
+                keep=self.config.keep_last, extra=extra,
+            )
 
     def load(self, state: dict[str, Any], path: str | Path | None = None) -> bool:
-        """Restore the newest complete checkpoint (or `path`) into `state` in place; False on a fresh start."""
-        from .checkpoint import manager
+        """Restore the newest complete checkpoint (or `path`) into `state` in place; False on a fresh start.
+
+        `path` may name one checkpoint (its step-N directory: loaded or CheckpointError) or a directory of
+        them (the newest complete one, skipping broken ones with a warning). Collective."""
+        from .checkpoint import manager, store
 
         given = Path(path) if path is not None else None
-        if given is not None and ((given / "meta.json").exists() or not given.is_dir()):
-            target: Path | None = given  # one checkpoint; a missing one is a CheckpointError below
-        else:
-            target = manager.find(self._root(path), self.rank)
-        if target is None:
-            return False
-        extra = checkpoint.load(target, state, rank=self.rank, world_size=self.world_size,
-                                unwrap=self.strategy.unwrap, map_location=self.device)
+        with self._watch.op_scope("load"):
+            one = given is not None and (store.is_checkpoint_dir(given) or not given.is_dir())
+            target = given if one else manager.find(self._root(path), self.rank)
+            if target is None:
+                return False
+            extra = checkpoint.load(target, state, rank=self.rank, world_size=self.world_size,
+                                    unwrap=self.strategy.unwrap, map_location=self.device, verified=not one)
         self._steps.micro = int(extra.get("micro", 0))
         self._saves = int(extra.get("step", -1)) + 1  # unnamed saves continue the numbering
         if self.scaler is not None and extra.get("scaler"):
@@ -196,6 +222,8 @@ class Run:
         return True
 
     def close(self) -> None:
+        self._watch.stop()
+        self._stop.uninstall()
         runtime.destroy_process_group()
 
 
@@ -213,8 +241,12 @@ def setup(**kwargs: Any) -> Run:
         timeout = config.timeout_s or runtime.default_timeout_s()
         runtime.init_process_group(placement, backend, config.init, timeout, device)
         atexit.register(runtime.destroy_process_group)
+    run = Run(config, strategy, ctx)
+    run._watch = Watch.start(placement.rank, placement.world_size, config.timeout_s or runtime.default_timeout_s())
+    atexit.register(run._watch.stop)  # before the process group goes (atexit runs last-registered first)
+    run._stop.install()
     _seed(config.seed)
-    return Run(config, strategy, ctx)
+    return run
 
 
 def _seed(seed: int) -> None:

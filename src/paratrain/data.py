@@ -148,12 +148,31 @@ class ShardedLoader:
             self.epoch, self.consumed = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+        """The position: epoch and samples of it consumed, as global counts (valid for any world size)."""
+        n = len(self.loader.dataset)  # type: ignore[arg-type]
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "size": n,
+                "shuffle": int(self.shuffle)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position. The world size and per-worker batch may differ from the saving
+        run: the not yet consumed samples of the epoch are re-divided among this run's replicas."""
         if state.get("seed", self.seed) != self.seed:
             raise ParatrainError(
                 f"checkpoint's data order was made with seed {state['seed']} but this run uses seed "
                 f"{self.seed}; resume with setup(seed={state['seed']}) to continue the same order"
             )
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        n = len(self.loader.dataset)  # type: ignore[arg-type]
+        if state.get("size", n) != n:
+            raise ParatrainError(
+                f"checkpoint's data position is for a dataset of {state['size']} samples but this one has {n}; "
+                "resume with the same dataset (a different one cannot continue the same epoch order)"
+            )
+        if state.get("shuffle", int(self.shuffle)) != int(self.shuffle):
+            raise ParatrainError(
+                f"checkpoint's data order was made with shuffle={bool(state['shuffle'])} but this loader has "
+                f"shuffle={self.shuffle}; build the DataLoader as the saving run did"
+            )
+        consumed = int(state["consumed"])
+        if not 0 <= consumed <= n:
+            raise ParatrainError(f"checkpoint's data position {consumed} is outside a dataset of {n} samples")
+        self.epoch, self.consumed = int(state["epoch"]), consumed

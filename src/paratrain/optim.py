@@ -3,6 +3,7 @@ gradient accumulation and the fp16 GradScaler, so the training loop stays the pl
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -77,3 +78,19 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if name == "optimizer":
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+def rebind(optimizer: torch.optim.Optimizer, before: dict[str, torch.nn.Parameter],
+           after: dict[str, torch.nn.Parameter]) -> None:
+    """Point an optimizer built on the user's model at the parameters the strategy put in their place.
+
+    Sharding (FSDP2) swaps parameters for new DTensor ones, and a pipeline stage keeps only its own
+    layers; matching by parameter name keeps the user's "build the optimizer, then prepare" order.
+    Parameters this rank no longer holds are dropped from the optimizer.
+    """
+    new_for = {id(p): after[name] for name, p in before.items() if name in after}
+    if all(new_for.get(id(p)) is p for group in optimizer.param_groups for p in group["params"]):
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [new_for[id(p)] for p in group["params"] if id(p) in new_for]
+    optimizer.state = defaultdict(dict, {new_for[id(p)]: s for p, s in optimizer.state.items() if id(p) in new_for})

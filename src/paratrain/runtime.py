@@ -236,6 +236,8 @@ def install_error_file_hook() -> None:
         try:
             ErrorHandler().record_exception(value)
         finally:
+            # Name the rank on the traceback itself: torchrun passes worker stderr through unprefixed.
+            sys.stderr.write(f"paratrain: worker rank {os.environ.get('RANK', '?')} (pid {os.getpid()}) failed:\n")
             previous(kind, value, tb)
 
     sys.excepthook = hook

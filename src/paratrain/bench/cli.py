@@ -1,14 +1,134 @@
-"""Flags of `paratrain bench`, mapped onto the runner."""
+"""`paratrain bench`: flags mapped onto a plan, the plan run, results.json, the table and plots written."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ParatrainError
+
+DEFAULT_STRATEGIES = "single,dp,ddp,pp"
+PRECISIONS = ("32", "bf16", "16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="mlp")
-    p.add_argument("--out", default="results/bench")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--workload", default="mlp", help="toy, mlp (default), convnet or resnet50")
+    which.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                       help="your model: factory(batch_size) -> (model, inputs, targets[, loss_fn])")
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                   help=f"comma-separated, from single,dp,ddp,mp,pp,ddp+pp (default {DEFAULT_STRATEGIES})")
+    p.add_argument("--workers", default=None, help="workers for ddp/pp/ddp+pp, e.g. 2 or 2,4 (default: GPUs, or 2)")
+    p.add_argument("--microbatches", default="auto", help="auto (1,2,4,8 where they divide the batch) or e.g. 2,4,8")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule for pp: gpipe, 1f1b, ...")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the workload's)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default: the workload's)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the workload's)")
+    p.add_argument("--repeat", type=int, default=None, help="timed blocks per configuration, alternated")
+    p.add_argument("--precision", default="32", choices=PRECISIONS)
+    p.add_argument("--channels-last", action="store_true", help="channels-last memory format (image models)")
+    p.add_argument("--image-size", type=int, default=None, help="image side for convnet / resnet50")
+    p.add_argument("--no-reference", action="store_true", help="skip the hand-written PyTorch references")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one job (one worker launch) may take")
+    p.add_argument("--out", default="results/bench", help="directory for results.json, table.md and plots")
+
+
+def _positive(value: int | None, default: int, flag: str, minimum: int = 1) -> int:
+    value = default if value is None else value
+    if value < minimum:
+        raise ParatrainError(f"{flag} must be >= {minimum}, got {value}")
+    return value
+
+
+def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
+    parts = ["paratrain bench", f"--model {ns.model}" if ns.model else f"--workload {ns.workload}",
+             f"--strategies {ns.strategies}", f"--workers {','.join(map(str, workers))}",
+             f"--microbatches {ns.microbatches}", f"--schedule {settings.schedule}",
+             f"--batch-size {settings.batch}", f"--steps {settings.steps}", f"--warmup {settings.warmup}",
+             f"--repeat {settings.repeat}"]
+    parts += [f"--precision {settings.precision}"] if settings.precision != "32" else []
+    parts += ["--channels-last"] if settings.channels_last else []
+    parts += [f"--image-size {settings.image}"] if settings.image else []
+    parts += ["--no-reference"] if ns.no_reference else []
+    return " ".join(parts + [f"--out {ns.out}"])
 
 
 def main(ns: argparse.Namespace) -> int:
-    raise SystemExit("paratrain bench: not built yet")
+    from .. import strategies
+    from ..runtime import cuda_count
+    from . import plan as planning
+    from . import report, runner, schema, workloads
+
+    gpus = cuda_count()
+    names = planning.parse_strategies(ns.strategies)
+    workers = planning.parse_counts(ns.workers, "--workers") if ns.workers else [gpus or 2]
+    microbatches = planning.parse_microbatches(ns.microbatches)
+    workload = workloads.get(ns.model or ns.workload, image=ns.image_size, gpu=gpus > 0)
+    settings = planning.Settings(
+        workload=ns.model or ns.workload, image=ns.image_size, gpus=gpus,
+        batch=_positive(ns.batch_size, workload.batch, "--batch-size"),
+        steps=_positive(ns.steps, workload.steps, "--steps"),
+        warmup=_positive(ns.warmup, workload.warmup, "--warmup", minimum=0),
+        repeat=_positive(ns.repeat, workload.repeat, "--repeat"),
+        schedule=ns.schedule, precision=ns.precision, channels_last=ns.channels_last,
+    )
+    the_plan = planning.build(names, workers, microbatches, settings, set(strategies.names()),
+                              references=not ns.no_reference)
+    model = workload.model()
+    results: dict[str, Any] = {
+        "schema": schema.SCHEMA, "created": schema.now(), "command": _command(ns, settings, workers),
+        "paratrain": {"version": _version(), "commit": schema.commit()}, "machine": schema.machine(),
+        "workload": {"name": workload.name, "description": workload.description,
+                     "parameters": workloads.parameters(model), "lr": workload.lr},
+        "global_batch": settings.batch,
+        "settings": {"steps": settings.steps, "warmup": settings.warmup, "repeat": settings.repeat,
+                     "schedule": settings.schedule, "precision": settings.precision,
+                     "channels_last": settings.channels_last},
+        "runs": [],
+    }
+    del model
+    m = results["machine"]
+    where = f"{gpus} GPU(s): {', '.join(m['gpus'])}" if gpus else f"CPU workers (one thread each), {m['cores']} cores"
+    print(f"paratrain bench: {workload.name} ({workload.description}), "
+          f"{results['workload']['parameters'] / 1e6:.1f} M parameters, global batch {settings.batch}; {where}",
+          flush=True)
+    print(f"  {len(the_plan.jobs)} job(s); {results['command']}", flush=True)
+    print(report.header(), flush=True)
+    runs: list[dict[str, Any]] = []
+
+    def show(new: list[dict[str, Any]]) -> None:
+        runs.extend(new)
+        schema.finalise(runs, settings.batch)
+        print("\n".join(report.row(r) for r in new), flush=True)
+
+    runner.run_plan(the_plan, settings, ns.timeout, say=lambda text: print(text, flush=True), on_records=show)
+    results["runs"] = schema.finalise(runs, settings.batch)
+    schema.validate(results)
+    return _write(results, Path(ns.out))
+
+
+def _write(results: dict[str, Any], out: Path) -> int:
+    from . import plots, report
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    lines = report.comparisons(results["runs"])
+    (out / "table.md").write_text(report.markdown(results["runs"]) + "\n\n" + "".join(f"- {c}\n" for c in lines))
+    written = plots.write_all(results, out)
+    print("\n" + report.table(results["runs"]))
+    if lines:
+        print("\nparatrain / hand-written PyTorch (median step time, alternated A B A B):")
+        print("\n".join(f"  {c}" for c in lines))
+    print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}" + "".join(f", {p}" for p in written))
+    failed = [r for r in results["runs"] if r["status"] == "failed"]
+    if failed:
+        print(f"{len(failed)} configuration(s) failed; see their reasons above", flush=True)
+    return 1 if failed else 0
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

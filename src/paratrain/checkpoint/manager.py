@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..faults.diagnose import is_comm_failure
 from . import rng, sharded, store
 from . import state as state_mod
 from .state import Unwrap
@@ -57,13 +58,27 @@ def _on_rank0(rank: int, fn: Callable[[], T]) -> T:
     return value  # type: ignore[no-any-return]
 
 
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
 def _torch_save(obj: Any, path: Path) -> None:
     store.write_file(path, lambda f: torch.save(obj, f))
+
+
+def _everywhere(rank: int, fn: Callable[[], None]) -> None:
+    """Run `fn` on every rank, then agree: if it failed anywhere, every rank raises naming where and why
+    (instead of the healthy ranks waiting in their next collective for the one that raised)."""
+    error = None
+    try:
+        fn()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit) or is_comm_failure(exc):
+            raise
+        error = f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[:1000]}"
+    errors = [error]
+    if _distributed():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    bad = [e for e in errors if e]
+    if bad:
+        raise CheckpointError("\n".join(bad))
 
 
 def save(
@@ -73,17 +88,20 @@ def save(
     """Write a complete checkpoint of `user_state` at `step` under `root`; collective."""
     root = Path(root)
     tmp = Path(_on_rank0(rank, lambda: str(store.begin(root, step))))
-    if sharded_state:
-        sharded.save(tmp, user_state, unwrap)
-        rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
-        _torch_save({"state": rest, "extra": extra}, tmp / f"rank-{rank}.pt")
-    else:
-        payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
-        if rank == 0:
-            _torch_save(payload, tmp / "shared.pt")
-    _torch_save(rng.capture(), tmp / f"rng-{rank}.pt")
-    _barrier()
-    info = {"world_size": world_size, "sharded": sharded_state, "layout": "dcp" if sharded_state else "torch"}
+
+    def write() -> None:
+        if sharded_state:
+            sharded.save(tmp, user_state, unwrap)
+            rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
+            _torch_save({"state": rest, "extra": extra}, tmp / f"rank-{rank}.pt")
+        else:
+            payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
+            if rank == 0:
+                _torch_save(payload, tmp / "shared.pt")
+        _torch_save(rng.capture(), tmp / f"rng-{rank}.pt")
+
+    _everywhere(rank, write)  # doubles as the barrier: every file is on disk before rank 0 publishes
+    info: dict[str, object] = {"world_size": world_size, "sharded": sharded_state, "layout": "dcp" if sharded_state else "torch"}
 
     def publish() -> str:
         final = store.publish(root, tmp, step, info)
@@ -124,6 +142,7 @@ def load(
         check(path, rank)
     meta = store.verify(path, deep=False)
     saved_world = int(meta.get("world_size", 1))
+    extra: dict[str, Any] = {}
     if meta.get("sharded"):
         sharded.load(path, user_state, unwrap)
         own = path / f"rank-{rank}.pt"
@@ -131,17 +150,25 @@ def load(
         skip = sharded.handled(user_state)
     else:
         file, skip = path / "shared.pt", set()
-    payload = _torch_load(file, map_location)
-    missing = state_mod.apply(user_state, payload["state"], unwrap, skip=skip)
-    if missing and rank == 0:
-        warnings.warn(f"paratrain: checkpoint {path.name} has no entry for {missing}; they keep their current values",
-                      stacklevel=3)
-    rng_file = path / f"rng-{rank}.pt"
-    if rng_file.exists():
-        rng.restore(_torch_load(rng_file, None))
-    elif rank == 0 or saved_world == world_size:
-        raise CheckpointError(f"checkpoint {str(path)!r} is missing {rng_file.name}")
-    return payload["extra"]  # type: ignore[no-any-return]
+
+    def restore() -> None:
+        payload = _torch_load(file, map_location)
+        try:
+            missing = state_mod.apply(user_state, payload["state"], unwrap, skip=skip)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint {path.name} does not fit this state: {exc}") from None
+        if missing and rank == 0:
+            warnings.warn(f"paratrain: checkpoint {path.name} has no entry for {missing}; they keep their "
+                          "current values", stacklevel=4)
+        rng_file = path / f"rng-{rank}.pt"
+        if rng_file.exists():
+            rng.restore(_torch_load(rng_file, None))
+        elif rank < saved_world:
+            raise CheckpointError(f"checkpoint {str(path)!r} is missing {rng_file.name}")
+        extra.update(payload["extra"])
+
+    _everywhere(rank, restore)
+    return extra
 
 
 def _torch_load(file: Path, map_location: Any) -> Any:

@@ -76,13 +76,14 @@ def save(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
 def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     """Collective: every rank reads the slices of the saved tensors that its own state dicts hold."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     modules, optimizers = split(state, unwrap)
     target = _state_dicts(modules, optimizers)
     try:
         dcp.load(target, checkpoint_id=str(checkpoint / _DIR))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         if is_comm_failure(exc):
             raise
         raise CheckpointError(

@@ -45,24 +45,23 @@ def start(rank: int, argv: list[str], env: dict[str, str], prefix: bool) -> Work
 
 
 def _pump(stream: IO[bytes], name: str, label: str) -> None:
-    """Copy a worker's output to ours as it comes (partial lines included), each line labelled with the
-    rank. `sys.stdout` is looked up per write, so in a notebook the text lands in the running cell."""
+    """Copy a worker's output to ours line by line, each line labelled with its rank; whole lines only, so
+    ranks never interleave within a line (a last unterminated line is copied at exit). `sys.stdout` is
+    looked up per write, so in a notebook the text lands in the cell that called launch."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    at_line_start = True
+    pending = ""
     fd = stream.fileno()
     while True:
         try:
             chunk = os.read(fd, 65536)
         except OSError:
-            break
-        text = decoder.decode(chunk, final=not chunk)
-        if text and label:
-            lines = text.splitlines(keepends=True)
-            text = "".join((label + line) if (i or at_line_start) else line for i, line in enumerate(lines))
-            at_line_start = text.endswith(("\n", "\r"))
-        if text:
+            chunk = b""
+        *lines, pending = (pending + decoder.decode(chunk, final=not chunk)).split("\n")
+        if not chunk and pending:
+            lines.append(pending)
+        if lines:
             out = getattr(sys, name)
-            out.write(text)
+            out.write("".join(f"{label}{line}\n" for line in lines))
             out.flush()
         if not chunk:
             break

@@ -1,0 +1,172 @@
+"""A training loop that survives being killed: checkpoint every N steps with `run.save(state)`, resume
+with `run.load(state)`. Killed and restarted (by `paratrain run --max-restarts`, or by hand) it ends
+with exactly the weights an uninterrupted run reaches, and trains on every sample once per epoch.
+
+    paratrain run --nproc 2 --max-restarts 3 examples/resumable.py --checkpoint-dir ckpt
+
+On SIGTERM (preemption) it saves at the next step boundary and stops; run it again to continue.
+It also runs with a different number of workers than the run that saved (same global batch).
+
+Testing aids: `--ledger DIR` makes every rank append what each step trained on to DIR/rank-R.jsonl,
+and `--fault KIND:RANK@STEP,...` injects failures, each at most once per ledger directory:
+kill (SIGKILL after the step), kill-in-save (SIGKILL while writing the checkpoint of that step),
+hang (sleep forever before the next collective), term (SIGTERM to this worker) and term-launcher
+(SIGTERM to the launcher, as a scheduler's preemption does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+
+
+class Ledger:
+    """Append-only JSON lines per rank; each line says which generation (start of a process group) wrote it."""
+
+    def __init__(self, folder: str | None, rank: int, generation: int) -> None:
+        self.file = None
+        self.generation = generation
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.file = open(Path(folder) / f"rank-{rank}.jsonl", "a", buffering=1)
+
+    def write(self, **record: Any) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"gen": self.generation, "t": time.time(), **record}) + "\n")
+            self.file.flush()
+
+
+class _KillWhenPickled:
+    def __reduce__(self) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return (int, ())
+
+
+class Faults:
+    """Failures injected at chosen (rank, step) points, each fired once: a marker file remembers it."""
+
+    def __init__(self, spec: str, folder: str | None, rank: int, ledger: Ledger) -> None:
+        self.events = []
+        for item in filter(None, spec.split(",")):
+            kind, _, where = item.partition(":")
+            who, _, step = where.partition("@")
+            self.events.append((kind, int(who), int(step)))
+        if self.events and not folder:
+            raise SystemExit("--fault needs --ledger DIR (where it remembers which faults already fired)")
+        self.folder, self.rank, self.ledger = Path(folder or "."), rank, ledger
+        self.step = 0
+
+    def _due(self, kind: str) -> bool:
+        for i, (k, who, step) in enumerate(self.events):
+            marker = self.folder / f"fault-{i}-{k}"
+            if k == kind and who == self.rank and step == self.step and not marker.exists():
+                marker.touch()
+                self.ledger.write(event="fault", kind=kind, step=step)
+                return True
+        return False
+
+    def after_step(self, step: int) -> None:
+        self.step = step
+        if self._due("kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._due("term"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self._due("term-launcher"):
+            os.kill(os.getppid(), signal.SIGTERM)
+        if self._due("hang"):
+            while True:
+                time.sleep(3600)
+
+    # Part of the checkpointed state, so that `run.save` calls state_dict() in the middle of saving.
+    def state_dict(self) -> dict[str, Any]:
+        if not self._due("kill-in-save"):
+            return {}
+        if self.rank == 0:
+            return {"bomb": _KillWhenPickled()}  # dies while shared.pt is half written
+        os.kill(os.getpid(), signal.SIGKILL)
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def build(samples: int) -> tuple[TensorDataset, nn.Module]:
+    g = torch.Generator().manual_seed(11)
+    data = TensorDataset(torch.arange(samples), torch.randn(samples, 8, generator=g), torch.randn(samples, 4, generator=g))
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+    return data, model
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-dir", required=True)
+    p.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=72)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--strategy", default="ddp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--out", default=None, help="rank 0 writes final model/optimizer/scheduler state here")
+    p.add_argument("--ledger", default=None, help="directory for per-rank records of the samples each step used")
+    p.add_argument("--fault", default="", help="testing aid: KIND:RANK@STEP[,...]")
+    args = p.parse_args(argv)
+
+    run = paratrain.setup(strategy=args.strategy, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
+                          keep_last=args.keep_last)
+    generation = int(run.all_reduce(torch.tensor(time.time_ns()), op="max"))
+    ledger = Ledger(args.ledger, run.rank, generation)
+    faults = Faults(args.fault, args.ledger, run.rank, ledger)
+
+    data, model = build(args.samples)
+    loader = run.prepare_loader(DataLoader(data, batch_size=run.per_worker_batch(args.global_batch), shuffle=True))
+    model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
+    loss_fn = nn.MSELoss()
+
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0}
+    if faults.events:
+        state["faults"] = faults
+    resumed = run.load(state)
+    ledger.write(event="start", step=state["step"], resumed=resumed, world=run.world_size)
+
+    stopped = False
+    while loader.epoch < args.epochs and not stopped:
+        for idx, x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x.to(run.device)), y.to(run.device))
+            run.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            state["step"] += 1
+            ledger.write(step=state["step"], epoch=loader.epoch, idx=idx.tolist())
+            faults.after_step(state["step"])
+            stopped = run.should_stop
+            if state["step"] % args.every == 0 or stopped:
+                run.save(state)
+            if stopped:
+                run.print(f"stopping at step {state['step']} on request; checkpoint saved")
+                break
+
+    if not stopped and args.out and run.is_main:
+        final = {"model": run.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "step": state["step"]}
+        torch.save(final, args.out)
+    ledger.write(event="end", step=state["step"], stopped=stopped)
+    run.print(f"done at step {state['step']}")
+    run.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The tutorials' figures, from results.json: time per strategy with error bars, the micro-batch
+(`split_size`) trade-off curve, and speedup against workers when several worker counts were run.
+
+Error bars span the interquartile range of the timed steps, around the median (what the table quotes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .plan import PIPELINED  # noqa: E402
+from .schema import quantile  # noqa: E402
+
+Run = dict[str, Any]
+PARATRAIN_COLOR, TORCH_COLOR = "tab:blue", "tab:orange"
+
+
+def _ok(runs: list[Run]) -> list[Run]:
+    return [r for r in runs if r["status"] == "ok"]
+
+
+def _iqr_bars(runs: list[Run]) -> list[list[float]]:
+    low = [r["median_step_s"] - quantile(r["step_times_s"], 0.25) for r in runs]
+    high = [quantile(r["step_times_s"], 0.75) - r["median_step_s"] for r in runs]
+    return [low, high]
+
+
+def best_per_configuration(runs: list[Run]) -> list[Run]:
+    """Each (strategy, workers) once; for pipelines the fastest micro-batch count."""
+    best: dict[tuple[str, int], Run] = {}
+    for r in _ok(runs):
+        key = (r["strategy"], r["workers"])
+        if key not in best or r["median_step_s"] < best[key]["median_step_s"]:
+            best[key] = r
+    return list(best.values())
+
+
+def _label(r: Run) -> str:
+    text = f"{r['strategy']}\n{r['workers']} worker{'s' if r['workers'] > 1 else ''}"
+    return text + (f"\nM={r['microbatches']}" if r["microbatches"] is not None else "")
+
+
+def _title(results: dict[str, Any]) -> str:
+    return f"{results['workload']['name']}, global batch {results['global_batch']}"
+
+
+def bar_chart(results: dict[str, Any], path: Path) -> Path:
+    runs = best_per_configuration(results["runs"])
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
+    colors = [TORCH_COLOR if r["strategy"].startswith("torch-") else PARATRAIN_COLOR for r in runs]
+    ax.bar(range(len(runs)), [r["median_step_s"] for r in runs], yerr=_iqr_bars(runs), align="center",
+           alpha=0.6, ecolor="red", capsize=8, width=0.6, color=colors)
+    ax.set_ylabel("time per training step (s), median")
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels([_label(r) for r in runs], fontsize=8)
+    ax.yaxis.grid(True)
+    ax.set_title(f"{_title(results)} (blue: paratrain, orange: hand-written PyTorch)", fontsize=9)
+    return _save(fig, path)
+
+
+def microbatch_curve(results: dict[str, Any], path: Path) -> Path | None:
+    runs = [r for r in _ok(results["runs"]) if r["strategy"] in PIPELINED]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    groups: dict[tuple[str, int], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r["strategy"], r["workers"]), []).append(r)
+    counts = sorted({r["microbatches"] for r in runs})
+    for (strategy, workers), group in groups.items():
+        group.sort(key=lambda r: r["microbatches"])
+        style = "--" if strategy.startswith("torch-") else "-"
+        ax.errorbar([r["microbatches"] for r in group], [r["median_step_s"] for r in group],
+                    yerr=_iqr_bars(group), fmt="o" + style, capsize=4, label=f"{strategy}, {workers} workers")
+    single = next((r for r in _ok(results["runs"]) if r["strategy"] == "single"), None)
+    if single is not None:
+        ax.axhline(single["median_step_s"], color="gray", linestyle=":", label="single, 1 worker")
+        pp = [r for r in runs if r["strategy"] == "pp"]
+        if pp:
+            k = pp[0]["workers"]
+            ax.plot(counts, [single["median_step_s"] * (m + k - 1) / (k * m) for m in counts], color="gray",
+                    linestyle="-.", linewidth=1, label=f"{k}-stage schedule bound")
+    batch = results["global_batch"]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts)
+    ax.set_xticklabels([f"{m}\n({batch // m})" for m in counts])
+    ax.set_xlabel("micro-batches M (split_size = batch / M)")
+    ax.set_ylabel("time per training step (s), median")
+    ax.yaxis.grid(True)
+    ax.legend(fontsize=8)
+    ax.set_title(f"micro-batch trade-off: {_title(results)}", fontsize=9)
+    return _save(fig, path)
+
+
+def scaling(results: dict[str, Any], path: Path) -> Path | None:
+    runs = [r for r in best_per_configuration(results["runs"]) if r["speedup_vs_single"] is not None]
+    counts = {r["workers"] for r in runs if r["strategy"] not in ("single", "mp", "torch-pipeline")}
+    if len(counts) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(6.0, 4.2))
+    top = max(counts)
+    ax.plot([1, top], [1, top], color="gray", linestyle=":", label="ideal")
+    for strategy in sorted({r["strategy"] for r in runs} - {"single", "mp", "torch-pipeline"}):
+        group = sorted((r for r in runs if r["strategy"] == strategy), key=lambda r: r["workers"])
+        style = "--" if strategy.startswith("torch-") else "-"
+        ax.plot([1] + [r["workers"] for r in group], [1.0] + [r["speedup_vs_single"] for r in group],
+                "o" + style, label=strategy)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("speedup over single (1 worker)")
+    ax.set_xticks(sorted(counts | {1}))
+    ax.grid(True)
+    ax.legend(fontsize=8)
+    ax.set_title(f"scaling: {_title(results)}", fontsize=9)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(results: dict[str, Any], out: Path) -> list[Path]:
+    """Every plot that the results support; returns the files written."""
+    if not _ok(results["runs"]):
+        return []
+    made = [bar_chart(results, out / "strategy_times.png"), microbatch_curve(results, out / "microbatch_tradeoff.png"),
+            scaling(results, out / "scaling.png")]
+    return [p for p in made if p is not None]

@@ -1,0 +1,73 @@
+"""The table `paratrain bench` prints (row by row as jobs finish, then whole) and writes as Markdown."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Run = dict[str, Any]
+
+COLUMNS: list[tuple[str, int, Callable[[Run], str]]] = [
+    ("strategy", 16, lambda r: r["strategy"]),
+    ("workers", 7, lambda r: str(r["workers"])),
+    ("micro", 5, lambda r: _opt(r["microbatches"])),
+    ("sched", 5, lambda r: _opt(r["schedule"])),
+    ("median s", 9, lambda r: _num(r["median_step_s"], ".4f")),
+    ("IQR s", 7, lambda r: _num(r["spread_s"], ".4f")),
+    ("samples/s", 9, lambda r: _num(r["samples_per_s"], ".1f")),
+    ("speedup", 7, lambda r: _num(r["speedup_vs_single"], ".2f", "x")),
+    ("effic.", 6, lambda r: _num(None if r["scaling_efficiency"] is None else 100 * r["scaling_efficiency"],
+                                 ".0f", "%")),
+    ("bound", 6, lambda r: _num(r["bound"], ".2f", "x") if r["status"] == "ok" else "-"),
+    ("vs torch", 8, lambda r: _num(r["vs_reference"], ".3f")),
+    ("peak MB", 8, lambda r: _num(r["peak_memory_mb"], ".0f")),
+    ("status", 14, lambda r: r["status"]),
+]
+
+
+def _opt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{fmt}}{unit}"
+
+
+def header() -> str:
+    return "  ".join(f"{name:>{width}}" if i else f"{name:<{width}}"
+                     for i, (name, width, _) in enumerate(COLUMNS))
+
+
+def row(run: Run) -> str:
+    cells = [f"{get(run):>{width}}" if i else f"{get(run):<{width}}" for i, (_, width, get) in enumerate(COLUMNS)]
+    line = "  ".join(cells).rstrip()
+    return line + (f"\n    reason: {run['reason']}" if run["reason"] else "")
+
+
+def table(runs: list[Run]) -> str:
+    return "\n".join([header(), "-" * len(header()), *(row(r) for r in runs)])
+
+
+def comparisons(runs: list[Run]) -> list[str]:
+    """One line per paratrain run that has a hand-written twin: the ratio of median step times."""
+    out = []
+    for r in runs:
+        if r["vs_reference"] is not None:
+            m = f", {r['microbatches']} micro-batches" if r["microbatches"] is not None else ""
+            verdict = "no measurable overhead" if r["vs_reference"] <= 1.02 else "slower than hand-written"
+            if r["vs_reference"] < 0.98:
+                verdict = "faster than hand-written"
+            out.append(f"{r['strategy']} on {r['workers']} worker(s){m}: {r['vs_reference']:.3f} x "
+                       f"{r['reference']} ({verdict})")
+    return out
+
+
+def markdown(runs: list[Run]) -> str:
+    names = [name for name, _, _ in COLUMNS]
+    lines = ["| " + " | ".join(names) + " |", "|" + "|".join("---" for _ in names) + "|"]
+    for r in runs:
+        cells = [get(r) for _, _, get in COLUMNS]
+        if r["reason"]:
+            cells[-1] += f": {r['reason']}".replace("|", "/")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

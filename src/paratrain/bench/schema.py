@@ -1,0 +1,169 @@
+"""`results.json`: the contract other tools (and docs/benchmarks.md) read.
+
+    {"schema": "paratrain-bench/1", "created": ISO time, "command": "...",
+     "paratrain": {"version", "commit"}, "machine": {"cpu", "cores", "gpus", "torch", "python", "platform"},
+     "workload": {"name", "description", "parameters"}, "global_batch": B,
+     "settings": {"steps", "warmup", "repeat", "schedule", "precision", "channels_last"},
+     "runs": [{"strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
+               "samples_per_s", "speedup_vs_single", "scaling_efficiency", "bound", "peak_memory_mb",
+               "reference", "vs_reference", "status", "reason"}, ...]}
+
+`microbatches` is null unless pipelined, `schedule` null unless `pp`-like; derived numbers are null
+unless the run is `ok`; `reason` is null exactly when it is `ok`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .plan import REFERENCE, Spec, describe
+
+SCHEMA = "paratrain-bench/1"
+STATUSES = ("ok", "not-applicable", "failed")
+STRATEGIES = ("single", "dp", "ddp", "mp", "pp", "ddp+pp", "torch-ddp", "torch-pipeline", "torch-pipelining")
+RUN_KEYS = ("strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
+            "samples_per_s", "speedup_vs_single", "scaling_efficiency", "bound", "peak_memory_mb", "reference",
+            "vs_reference", "status", "reason")
+TOP_KEYS = ("schema", "created", "command", "paratrain", "machine", "workload", "global_batch", "settings", "runs")
+
+
+def record(spec: Spec, status: str, reason: str | None, step_times: list[float] | None = None,
+           peak_mb: float | None = None) -> dict[str, Any]:
+    """A run before the derived numbers (medians, speedups) are filled in by `finalise`."""
+    return {**describe(spec), "step_times_s": [round(t, 6) for t in step_times or []], "median_step_s": None,
+            "spread_s": None, "samples_per_s": None, "speedup_vs_single": None, "scaling_efficiency": None,
+            "bound": round(bound(spec), 4), "peak_memory_mb": peak_mb, "reference": REFERENCE.get(spec.strategy),
+            "vs_reference": None, "status": status, "reason": reason}
+
+
+def bound(spec: Spec) -> float:
+    """The best speedup over one worker this configuration allows: the workers for data parallel, and
+    K*M/(M+K-1) for a K-stage pipeline of M micro-batches (times the replicas of ddp+pp; K counts
+    distinct devices for a one-process pipeline, so two stages on one CPU core have K = 1)."""
+    s, w, m = spec.strategy, spec.workers, spec.microbatches or 1
+    if s in ("pp", "torch-pipelining"):
+        return w * m / (m + w - 1)
+    if s == "ddp+pp":
+        return w // 2 * (2 * m / (m + 1))
+    if s in ("mp", "torch-pipeline"):
+        k = len(set(spec.devices or ())) or 1
+        return k * m / (m + k - 1)
+    return float(w)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def finalise(runs: list[dict[str, Any]], global_batch: int) -> list[dict[str, Any]]:
+    """Fill in medians, spread (interquartile range), samples/s, speedups and the ratio to the reference."""
+    for run in runs:
+        if run["status"] == "ok":
+            times = run["step_times_s"]
+            run["median_step_s"] = round(statistics.median(times), 6)
+            run["spread_s"] = round(quantile(times, 0.75) - quantile(times, 0.25), 6)
+            run["samples_per_s"] = round(global_batch / run["median_step_s"], 3)
+    single = next((r for r in runs if r["strategy"] == "single" and r["status"] == "ok"), None)
+    for run in runs:
+        if run["status"] != "ok":
+            continue
+        if single is not None:
+            speedup = single["median_step_s"] / run["median_step_s"]
+            run["speedup_vs_single"] = round(speedup, 4)
+            run["scaling_efficiency"] = round(speedup / run["workers"], 4)
+        ref = next((r for r in runs if r["strategy"] == run["reference"] and r["status"] == "ok"
+                    and r["workers"] == run["workers"] and r["microbatches"] == run["microbatches"]), None)
+        if ref is not None:
+            run["vs_reference"] = round(run["median_step_s"] / ref["median_step_s"], 4)
+    return runs
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "torch": torch.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def commit() -> str | None:
+    """The source commit, with "+dirty" when the tree has changes (None outside a git checkout)."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def validate(results: dict[str, Any]) -> None:
+    """Raise ValueError naming every way `results` breaks the contract."""
+    problems = [f"missing top-level key {k!r}" for k in TOP_KEYS if k not in results]
+    if results.get("schema") != SCHEMA:
+        problems.append(f"schema is {results.get('schema')!r}, expected {SCHEMA!r}")
+    for key in ("cpu", "gpus", "torch"):
+        if key not in results.get("machine", {}):
+            problems.append(f"machine has no {key!r}")
+    if not isinstance(results.get("global_batch"), int) or results["global_batch"] < 1:
+        problems.append("global_batch must be a positive integer")
+    for i, run in enumerate(results.get("runs", [])):
+        problems += [f"runs[{i}]: {p}" for p in _run_problems(run)]
+    if problems:
+        raise ValueError("results.json breaks its schema:\n  " + "\n  ".join(problems))
+
+
+def _run_problems(run: dict[str, Any]) -> list[str]:
+    out = [f"missing key {k!r}" for k in RUN_KEYS if k not in run]
+    if out:
+        return out
+    if run["strategy"] not in STRATEGIES:
+        out.append(f"unknown strategy {run['strategy']!r}")
+    if run["status"] not in STATUSES:
+        out.append(f"status {run['status']!r} not in {STATUSES}")
+    if not isinstance(run["workers"], int) or run["workers"] < 1:
+        out.append("workers must be a positive integer")
+    pipelined = run["strategy"] in ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
+    if run["microbatches"] is not None and not pipelined:
+        out.append("microbatches must be null unless the strategy is pipelined")
+    if run["microbatches"] is None and pipelined and run["status"] == "ok":
+        out.append("an ok pipelined run needs its microbatches")
+    if run["schedule"] is not None and run["strategy"] not in ("pp", "ddp+pp", "torch-pipelining"):
+        out.append("schedule must be null unless the strategy is pp-like")
+    if run["status"] == "ok":
+        if run["reason"] is not None:
+            out.append("an ok run has a reason")
+        if not run["step_times_s"] or min(run["step_times_s"]) <= 0:
+            out.append("an ok run needs positive step_times_s")
+        for key in ("median_step_s", "samples_per_s", "bound"):
+            if not isinstance(run[key], (int, float)) or run[key] <= 0:
+                out.append(f"{key} must be a positive number for an ok run")
+    elif not run["reason"]:
+        out.append(f"a {run['status']} run needs a reason")
+    return out

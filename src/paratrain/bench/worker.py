@@ -1,0 +1,204 @@
+"""What runs in every worker process of one job: build each configuration, warm it up, then time them
+in turns (A B A B ...), so a slow spell of the machine hits paratrain and its reference alike.
+
+A step ends when the slowest worker ends it, so each step's time is the maximum over ranks. A
+configuration that raises is dropped after all ranks agree on it (with its reason); the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+
+from ..runtime import read_placement
+from . import references, workloads
+from .plan import Job, Settings, Spec
+from .workloads import Batch, Workload
+
+_GROUP_STRATEGIES = ("ddp", "pp", "ddp+pp", "torch-ddp", "torch-pipelining")
+
+
+@dataclass
+class _Side:
+    spec: Spec
+    step: Callable[[], None] | None = None
+    reason: str | None = None
+    times: list[float] = field(default_factory=list)
+    peak_mb: float = 0.0
+
+
+def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settings) -> Callable[[], None]:
+    """The user's loop through the public API only: setup, prepare, prepare_loader, forward_backward, step."""
+    options: dict[str, Any] = {"strategy": spec.strategy, "seed": references.SEED,
+                               "precision": settings.precision, "timeout_s": settings.timeout_s}
+    if spec.microbatches is not None:
+        options["microbatches"] = spec.microbatches
+        if spec.schedule is not None:
+            options["schedule"] = spec.schedule
+    if spec.devices is not None:
+        options["devices"] = list(spec.devices)
+    run = paratrain.setup(**options)
+    model = workload.model()
+    if settings.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=workload.lr))
+    model.train()
+    loader = run.prepare_loader(DataLoader(TensorDataset(*data), batch_size=run.per_worker_batch(settings.batch)))
+    inputs, targets = (t.to(run.device) for t in next(iter(loader)))
+    if settings.channels_last and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    loss_fn = workload.loss()
+
+    def step() -> None:
+        optimizer.zero_grad()
+        run.forward_backward(model, inputs, targets, loss_fn)
+        optimizer.step()
+
+    return step
+
+
+def _device(settings: Settings, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if settings.gpus else torch.device("cpu")
+
+
+def _init_group(job: Job, settings: Settings) -> None:
+    """Started here with plain torch (as the tutorials do) so the references have it whichever side runs
+    first; `paratrain.setup` finds it initialised and uses it."""
+    if dist.is_initialized() or not any(s.strategy in _GROUP_STRATEGIES for s in job.specs):
+        return
+    placement = read_placement()
+    if settings.gpus:
+        torch.cuda.set_device(placement.local_rank)
+    dist.init_process_group("nccl" if settings.gpus else "gloo", init_method="env://",
+                            timeout=timedelta(seconds=settings.timeout_s))
+
+
+def _multi() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree(side: _Side) -> None:
+    """All ranks learn whether any rank failed this configuration, and why (the first reason)."""
+    if not _multi():
+        return
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, side.reason)
+    failed = [(r, text) for r, text in enumerate(reasons) if text]
+    if failed:
+        rank, text = failed[0]
+        side.reason = text if rank == 0 else f"rank {rank}: {text}"
+        side.step = None
+
+
+def _reason(exc: BaseException) -> str:
+    lines = traceback.format_exception_only(type(exc), exc)
+    return " ".join(line.strip() for line in lines)[-600:]
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # "5" resets the peak resident set size (VmHWM) of this process (Linux)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_mb(devices: list[torch.device]) -> float:
+    """Peak memory during the last block: CUDA allocations, or the process's peak RSS on CPU."""
+    cuda = [d for d in devices if d.type == "cuda"]
+    if cuda:
+        return max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _devices(spec: Spec, device: torch.device) -> list[torch.device]:
+    return [torch.device(d) for d in spec.devices] if spec.devices else [device]
+
+
+def _sync(devices: list[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def _block(side: _Side, count: int, device: torch.device) -> list[float]:
+    """`count` steps; each step's time is the slowest rank's."""
+    assert side.step is not None
+    devices = _devices(side.spec, device)
+    if _multi():
+        dist.barrier()
+    for d in devices:
+        _reset_peak(d)
+    local = []
+    for _ in range(count):
+        start = time.perf_counter()
+        side.step()
+        _sync(devices)
+        local.append(time.perf_counter() - start)
+    stats = torch.tensor([*local, _peak_mb(devices)], dtype=torch.float64, device=device)
+    if _multi():
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    side.peak_mb = max(side.peak_mb, float(stats[-1]))
+    return [float(t) for t in stats[:-1]]
+
+
+def _guarded(side: _Side, action: Callable[[], Any]) -> Any:
+    try:
+        result = action()
+    except Exception as exc:
+        side.reason, side.step, result = _reason(exc), None, None
+    _agree(side)
+    return result
+
+
+def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
+    """Entry point in each worker (via `paratrain.launch`); rank 0's return value is the job's result."""
+    _init_group(job, settings)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = _device(settings, rank)
+    say: Callable[[str], None] = (lambda text: print(text, flush=True)) if rank == 0 else (lambda text: None)
+    workload = workloads.get(settings.workload, image=settings.image, gpu=settings.gpus > 0)
+    data = workload.data(settings.batch)
+    sides = [_Side(spec) for spec in job.specs]
+    for side in sides:
+        build = references.BUILDERS.get(side.spec.strategy)
+        side.step = _guarded(side, lambda s=side, b=build: b(s.spec, workload, data, settings, device) if b
+                             else paratrain_side(s.spec, workload, data, settings))
+        if side.reason:
+            say(f"      {side.spec.label}: failed: {side.reason}")
+    for side in sides:
+        if side.step is not None and settings.warmup:
+            _guarded(side, lambda s=side: _block(s, settings.warmup, device))
+    for r in range(settings.repeat):
+        for side in sides:
+            if side.step is None:
+                continue
+            times = _guarded(side, lambda s=side: _block(s, settings.steps, device))
+            if times:
+                side.times += times
+                median = sorted(times)[len(times) // 2]
+                say(f"      repeat {r + 1}/{settings.repeat}  {side.spec.label:<22} {median:8.4f} s/step")
+    return [{"spec": side.spec, "step_times_s": side.times, "peak_memory_mb": round(side.peak_mb, 1),
+             "reason": side.reason} for side in sides]

@@ -1,0 +1,185 @@
+"""Choose how many layers each stage gets, from measurements.
+
+Like torchgpipe's `balance_by_time`: run a sample batch through the layers one at a time, timing each
+layer's forward plus backward, and measure its parameters and saved activations. A pipeline runs at
+the pace of its slowest stage, so the balance minimises the largest per-stage sum (an exact dynamic
+program over contiguous splits, not a greedy cut). "memory" balances parameter plus activation bytes
+instead; "equal" is the naive split by layer count.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ParatrainError, unknown_name
+from .memory import ActivationMeter, param_bytes
+from .partition import Layer, check_balance, equal_balance, too_few_layers
+from .trial import no_trace, synchronize
+
+MODES = ("time", "memory", "equal")
+
+
+@dataclass
+class LayerCost:
+    name: str
+    seconds: float
+    """Median forward + backward time of the sample through this layer."""
+    params_bytes: int
+    activation_bytes: int
+    """Bytes this layer saves for backward for the sample."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _float_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() and value.requires_grad else []
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _float_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _float_tensors(v)]
+    return []
+
+
+def _detached(value: Any, device: torch.device | None) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().to(device) if device is not None else value.detach()
+        return value.requires_grad_(value.is_floating_point())
+    if isinstance(value, list | tuple):
+        return type(value)(_detached(v, device) for v in value)
+    return value
+
+
+def _device_of(module: nn.Module) -> torch.device | None:
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        return tensor.device
+    return None
+
+
+def profile_layers(layers: Sequence[Layer], sample: Any, repeats: int = 3) -> list[LayerCost]:
+    """Per-layer forward+backward seconds (median of `repeats` after a warm-up), parameter and
+    activation bytes. Each layer runs where its parameters are; the model is left exactly as found."""
+    modules = [m for _, m in layers]
+    seconds: list[list[float]] = [[] for _ in layers]
+    activations = [0] * len(layers)
+    devices = [d for d in map(_device_of, modules) if d is not None]
+    with no_trace(modules):
+        for rep in range(repeats + 1):
+            x = sample
+            for i, module in enumerate(modules):
+                x = _detached(x, _device_of(module))
+                meter = ActivationMeter(exclude=[module])
+                synchronize(devices)
+                start = time.perf_counter()
+                with meter.measure():
+                    y = module(*x) if i == 0 and isinstance(x, tuple) else module(x)
+                outs = _float_tensors(y)
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                synchronize(devices)
+                if rep > 0:  # the first pass warms up allocators and kernels
+                    seconds[i].append(time.perf_counter() - start)
+                activations[i] = max(activations[i], meter.peak)
+                x = y
+    return [LayerCost(name, statistics.median(s), param_bytes(m), a)
+            for (name, m), s, a in zip(layers, seconds, activations)]
+
+
+def solve(costs: Sequence[float], stages: int) -> list[int]:
+    """Contiguous split of `costs` into `stages` non-empty parts minimising the largest part's sum.
+
+    Ties go to the split whose parts are most even in count, so equal costs give the equal split.
+    """
+    n = len(costs)
+    if n < stages:
+        raise too_few_layers(n, stages)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][i]: (largest part, spread of part sizes) splitting the first i costs into k parts
+    best = [[(inf, inf)] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    ideal = n / stages
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                prev = best[k - 1][j]
+                if prev[0] == inf:
+                    continue
+                cand = (max(prev[0], prefix[i] - prefix[j]), prev[1] + (i - j - ideal) ** 2)
+                if cand[0] < best[k][i][0] * (1 - 1e-9) or (
+                        cand[0] <= best[k][i][0] * (1 + 1e-9) and cand[1] < best[k][i][1]):
+                    best[k][i], cut[k][i] = cand, j
+    balance, i = [], n
+    for k in range(stages, 0, -1):
+        j = cut[k][i]
+        balance.append(i - j)
+        i = j
+    return balance[::-1]
+
+
+def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
+    out, start = [], 0
+    for count in balance:
+        out.append(float(sum(costs[start : start + count])))
+        start += count
+    return out
+
+
+def balance_costs(costs: Sequence[LayerCost], mode: str) -> list[float]:
+    if mode == "time":
+        return [c.seconds for c in costs]
+    if mode == "memory":
+        return [float(c.params_bytes + c.activation_bytes) for c in costs]
+    raise unknown_name("balance", mode, MODES)
+
+
+def choose_balance(
+    requested: Sequence[int] | str, layers: Sequence[Layer], stages: int, sample: Any = None,
+    agree: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[list[int], list[LayerCost] | None]:
+    """The balance to use and the measured layer costs (None when nothing was measured).
+
+    `agree` makes every process use the same measurements (e.g. an all-reduced mean), so that all
+    ranks of a pipeline split the model identically.
+    """
+    n = len(layers)
+    if n < stages:
+        raise too_few_layers(n, stages)
+    if not isinstance(requested, str):
+        return check_balance(requested, n, stages), None
+    if requested == "equal":
+        return equal_balance(n, stages), None
+    if requested not in MODES:
+        raise unknown_name("balance", requested, MODES)
+    if sample is None:
+        raise ParatrainError(f"balance={requested!r} needs a sample batch to measure the layers")
+    costs = profile_layers(layers, sample)
+    if agree is not None:
+        flat = [v for c in costs for v in (c.seconds, float(c.params_bytes), float(c.activation_bytes))]
+        flat = agree(flat)
+        costs = [LayerCost(c.name, flat[3 * i], int(flat[3 * i + 1]), int(flat[3 * i + 2]))
+                 for i, c in enumerate(costs)]
+    return solve(balance_costs(costs, requested), stages), costs
+
+
+def describe(balance: Sequence[int], costs: Sequence[LayerCost] | None, mode: str | Sequence[int]) -> str:
+    """One line for the log: the balance and, when measured, per-stage times against the equal split."""
+    text = f"balance {list(balance)}"
+    if costs:
+        seconds = [c.seconds for c in costs]
+        mine = stage_sums(seconds, balance)
+        equal = stage_sums(seconds, equal_balance(len(costs), len(balance)))
+        text += (f" by {mode}: stage fwd+bwd ms {[round(s * 1e3, 2) for s in mine]} (max {max(mine) * 1e3:.2f}; "
+                 f"equal split {equal_balance(len(costs), len(balance))} would be max {max(equal) * 1e3:.2f})")
+    return text

@@ -1,0 +1,171 @@
+"""Micro-batches: splitting a batch, and choosing how many by measuring.
+
+The tutorials end with "the best split_size depends on the environment and the model". A full sweep
+over every micro-batch count finds it but costs a step per candidate, and the large counts are the
+slow ones. The search here uses the shape of a pipeline's step time instead: with K stages, M
+micro-batches, t the stage time of the whole batch and o a fixed cost per micro-batch,
+
+    T(M) = (M + K - 1) * (t / M + o)          (the bubble shrinks with M, the overhead grows)
+
+Two measurements fix t and o, the model's minimum sqrt(t (K-1) / o) says where to look, and a short
+walk over the measured neighbours of the best point corrects for where the model is wrong. The result
+keeps every measured point (the curve), so a benchmark can plot it next to the full sweep.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ParatrainError
+
+
+def batch_size(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[0])
+    if isinstance(value, list | tuple) and value:
+        return batch_size(value[0])
+    if isinstance(value, dict) and value:
+        return batch_size(next(iter(value.values())))
+    raise ParatrainError(f"cannot find the batch dimension of a {type(value).__name__}; pass tensors")
+
+
+def split(value: Any, chunks: int) -> list[Any]:
+    """`chunks` pieces along dim 0 (tensors, or tuples/lists/dicts of them); sizes differ by at most one."""
+    if isinstance(value, torch.Tensor):
+        return list(torch.tensor_split(value, chunks))
+    if isinstance(value, list | tuple):
+        parts = [split(v, chunks) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(chunks)]
+    if isinstance(value, dict):
+        parts_by_key = {k: split(v, chunks) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts_by_key.items()} for i in range(chunks)]
+    return [value] * chunks
+
+
+def merge(values: Sequence[Any]) -> Any:
+    """Inverse of `split`: concatenate along dim 0."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(values))
+    if isinstance(first, list | tuple):
+        return type(first)(merge([v[i] for v in values]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: merge([v[k] for v in values]) for k in first}
+    return first
+
+
+def check_even(batch: int, microbatches: int, where: str) -> None:
+    """Pipelines across processes need equal micro-batches (fixed buffer shapes, mean of equal means)."""
+    if batch < microbatches or batch % microbatches:
+        fits = max(d for d in range(1, min(batch, microbatches) + 1) if batch % d == 0)
+        raise ParatrainError(
+            f"{where}: batch {batch} cannot be split into {microbatches} micro-batches of equal size "
+            f"({batch} % {microbatches} = {batch % microbatches}); use a batch divisible by {microbatches} "
+            f"(e.g. {max(microbatches, batch // microbatches * microbatches)}; DataLoader(drop_last=True) "
+            f"drops a short last batch) or microbatches={fits}"
+        )
+
+
+def divisors(n: int, low: int = 1, high: int | None = None) -> list[int]:
+    high = n if high is None else min(n, high)
+    return [d for d in range(max(1, low), high + 1) if n % d == 0]
+
+
+@dataclass
+class Search:
+    """What a micro-batch search measured."""
+
+    best: int
+    curve: dict[int, float] = field(default_factory=dict)
+    """Micro-batch count -> measured seconds per step, in the order measured."""
+    seconds: float = 0.0
+    """Wall time the search took."""
+    method: str = "search"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "curve": {str(k): v for k, v in self.curve.items()}}
+
+
+def _fit(points: dict[int, float], stages: int) -> tuple[float, float]:
+    """Least-squares t, o >= 0 of T(M) = t (M+K-1)/M + o (M+K-1) over the measured points."""
+    rows = [((m + stages - 1) / m, float(m + stages - 1), y) for m, y in points.items()]
+    saa = sum(a * a for a, _, _ in rows)
+    sab = sum(a * b for a, b, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    say = sum(a * y for a, _, y in rows)
+    sby = sum(b * y for _, b, y in rows)
+    det = saa * sbb - sab * sab
+    if abs(det) < 1e-18:
+        return max(say / saa, 0.0), 0.0
+    t = (say * sbb - sby * sab) / det
+    o = (saa * sby - sab * say) / det
+    if t < 0 or o < 0:  # clamp to the better one-parameter fit
+        t1, o1 = max(say / saa, 0.0), max(sby / sbb, 0.0)
+        err_t = sum((y - t1 * a) ** 2 for a, _, y in rows)
+        err_o = sum((y - o1 * b) ** 2 for _, b, y in rows)
+        return (t1, 0.0) if err_t <= err_o else (0.0, o1)
+    return t, o
+
+
+def _model(m: int, t: float, o: float, stages: int) -> float:
+    return (m + stages - 1) * (t / m + o)
+
+
+def search(measure: Callable[[int], float], candidates: Sequence[int], stages: int,
+           budget: int | None = None) -> Search:
+    """Pick a fast micro-batch count from `candidates` measuring only a few of them.
+
+    `measure(m)` returns seconds per step; it must be deterministic in which `m` it is given, so that
+    every process of a pipeline runs the same trials (timings are agreed on before they are returned).
+    """
+    cands = sorted(set(candidates))
+    if not cands:
+        raise ParatrainError("no micro-batch count fits this batch and schedule; pass microbatches=N")
+    start = time.perf_counter()
+    budget = budget or max(3, math.ceil(len(cands) / 3))
+    curve: dict[int, float] = {}
+
+    def at(i: int) -> float:
+        m = cands[i]
+        if m not in curve:
+            curve[m] = measure(m)
+        return curve[m]
+
+    # Probes: around 2K (where pipelines usually do best) and a quarter of the list's log-range lower.
+    guess = min(range(len(cands)), key=lambda i: abs(math.log(cands[i] / (2 * stages))))
+    lower = max(0, min(guess - 1, int(guess - len(cands) / 4)))
+    for i in (guess, lower):
+        at(i)
+    if len(curve) >= 2:
+        t, o = _fit({m: curve[m] for m in curve}, stages)
+        predicted = min(range(len(cands)), key=lambda i: _model(cands[i], t, o, stages))
+        at(predicted)
+    # Walk downhill over measured neighbours while the budget lasts.
+    while len(curve) < min(budget, len(cands)):
+        best = cands.index(min(curve, key=lambda m: curve[m]))
+        options = [i for i in (best - 1, best + 1) if 0 <= i < len(cands) and cands[i] not in curve]
+        if not options:
+            break
+        if len(curve) >= 2:
+            t, o = _fit(curve, stages)
+            options.sort(key=lambda i: _model(cands[i], t, o, stages))
+        before = min(curve.values())
+        at(options[0])
+        if curve[cands[options[0]]] >= before and len(options) == 1:
+            break
+    best_m = min(curve, key=lambda m: curve[m])
+    return Search(best=best_m, curve=curve, seconds=time.perf_counter() - start, method="search")
+
+
+def sweep(measure: Callable[[int], float], candidates: Sequence[int]) -> Search:
+    """Measure every candidate (the reference the search is judged against)."""
+    start = time.perf_counter()
+    curve = {m: measure(m) for m in sorted(set(candidates))}
+    return Search(best=min(curve, key=lambda m: curve[m]), curve=curve,
+                  seconds=time.perf_counter() - start, method="sweep")

@@ -1,0 +1,295 @@
+"""Glue over torch.distributed.pipelining: this worker's stages of a pipeline and its schedule.
+
+One process per pipeline rank; each holds `stages_per_worker` stages of the K = pp x stages_per_worker
+stages, in torch's layouts (loop for interleaved schedules, V for the ZBV zero-bubble one):
+
+    1f1b, 2 workers, 4 micro-batches        (F = forward, B = backward, . = bubble)
+    rank 0   F0 F1 .  .  B0 F2 B1 F3 B2 .  B3
+    rank 1   .  F0 B0 F1 B1 F2 B2 F3 B3
+
+The model is split at the first step, when a batch exists to measure layers with; every rank profiles
+and the timings are averaged over all ranks, so all ranks cut the model identically. Parameters of the
+stages a rank does not hold are emptied, so the memory a pipeline saves is really saved.
+
+The loss of a step is the mean of the micro-batch losses (the schedule divides gradients by M), which
+equals the full-batch mean loss because micro-batches have equal size; uneven splits are refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ParatrainError, unknown_name
+from .balance import choose_balance, describe
+from .memory import ActivationMeter, StageMemory, format_report, in_flight, param_bytes
+from .microbatch import Search, batch_size, check_even, divisors, search, split
+from .partition import Stage, layers_of, merged, split_into_stages
+from .plan import Plan
+from .trial import median_time, no_trace
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def _schedule_class(name: str, per_worker: int) -> type:
+    from torch.distributed.pipelining import schedules as s
+
+    if name == "zero-bubble":
+        return s.ScheduleZBVZeroBubble if per_worker == 2 else s.ScheduleInterleavedZeroBubble
+    return {"gpipe": s.ScheduleGPipe, "1f1b": s.Schedule1F1B,
+            "interleaved-1f1b": s.ScheduleInterleaved1F1B}[name]
+
+
+def check_layout(schedule: str, pp: int, per_worker: int, microbatches: int | str) -> None:
+    """Reject schedule/stage/micro-batch combinations torch would refuse, before any process waits."""
+    if schedule not in SCHEDULES:
+        raise unknown_name("schedule", schedule, SCHEDULES)
+    if per_worker < 1:
+        raise ParatrainError(f"stages_per_worker must be >= 1, got {per_worker}")
+    if schedule in ("gpipe", "1f1b") and per_worker != 1:
+        raise ParatrainError(
+            f"schedule {schedule!r} runs one stage per worker but stages_per_worker={per_worker}; use "
+            "schedule='interleaved-1f1b' or 'zero-bubble' for several stages per worker, or stages_per_worker=1"
+        )
+    if microbatches == "auto":
+        return
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ParatrainError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
+    stages = pp * per_worker
+    if schedule == "1f1b" and microbatches < stages:
+        raise ParatrainError(
+            f"schedule '1f1b' needs at least as many micro-batches as stages: microbatches={microbatches} < "
+            f"{stages} stages (pp {pp} x stages_per_worker {per_worker}); use microbatches>={stages} "
+            f"(e.g. {2 * stages}), microbatches='auto' or schedule='gpipe'"
+        )
+
+
+def stage_indices(schedule: str, pp_rank: int, pp: int, per_worker: int) -> list[int]:
+    if schedule == "zero-bubble" and per_worker == 2:  # V: rank r holds stage r and its mirror
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + v * pp for v in range(per_worker)]
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, list | tuple | dict):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return tuple((k, _signature(v)) for k, v in items)
+    return type(value).__name__
+
+
+class PipelineModule(nn.Module):
+    """This worker's stages; `module(inputs, targets, loss_fn)` runs one scheduled step and returns the
+    mean loss over the whole global batch (on every rank)."""
+
+    def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
+                 device: torch.device, microbatches: int | str, balance: Sequence[int] | str,
+                 group: Any = None, dp: int = 1, grad_accum: int = 1,
+                 wrap_stage: Callable[[nn.Module], nn.Module] | None = None, strategy: str = "pp") -> None:
+        super().__init__()
+        check_layout(schedule, pp, per_worker, microbatches)
+        self.full = model
+        self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
+        self.num_stages = pp * per_worker
+        self.ids = stage_indices(schedule, pp_rank, pp, per_worker)
+        self.device, self.group, self.dp, self.grad_accum = device, group, dp, grad_accum
+        self.microbatches: int | str = microbatches
+        self.requested_balance = balance
+        self._wrap_stage = wrap_stage
+        self.local: list[Stage] = []
+        self.plan = Plan(strategy=strategy, stages=self.num_stages, microbatches=microbatches,
+                         schedule=schedule, verbose=dist.get_rank() == 0)
+        self._schedules: dict[Any, Any] = {}
+        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+        self._measured = False
+
+    # -- splitting --------------------------------------------------------------------------------
+    @property
+    def built(self) -> bool:
+        return bool(self.local)
+
+    def build(self, inputs: Any) -> None:
+        sample_count = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
+        sample = (split(inputs, min(sample_count, batch_size(inputs)))[0],)
+        layers = layers_of(self.full, sample)
+        balance, costs = choose_balance(self.requested_balance, layers, self.num_stages, sample=sample,
+                                        agree=lambda v: _mean_over_world(v, self.device))
+        stages = split_into_stages(layers, balance)
+        self.local = [stages[i].to(self.device) for i in self.ids]
+        mine = {id(p) for s in self.local for p in s.parameters()}
+        for p in self.full.parameters():
+            if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
+        self._runs = [self._wrap_stage(s) if self._wrap_stage else s for s in self.local]
+        self._registered = nn.ModuleList(self._runs)
+        self.plan.balance = balance
+        self.plan.layer_costs = costs
+        self.plan.note(describe(balance, costs, self.requested_balance))
+        del self.full  # only this worker's stages remain reachable through the wrapper
+
+    def holds(self) -> nn.Module:
+        """This worker's layers under their original names (what `unwrap` returns)."""
+        if not self.built:
+            raise ParatrainError(
+                "the pipeline is split at its first step (balance is measured on a real batch), so its "
+                "weights are not yet assigned to workers. Load checkpoints after the first "
+                "run.forward_backward, or pass an explicit balance=[...] (printed when the run started)"
+            )
+        return merged(self.local)
+
+    # -- schedules --------------------------------------------------------------------------------
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._loss_fn is not None
+        loss = self._loss_fn(output, target)
+        return loss / self.grad_accum if self.grad_accum > 1 else loss
+
+    def _schedule(self, microbatches: int, inputs: Any) -> Any:
+        key = (microbatches, _signature(inputs))
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            stages = [PipelineStage(run, i, self.num_stages, self.device, group=self.group)
+                      for run, i in zip(self._runs, self.ids)]
+            cls = _schedule_class(self.schedule_name, self.per_worker)
+            try:
+                if self.schedule_name in ("gpipe", "1f1b"):
+                    sched = cls(stages[0], microbatches, loss_fn=self._loss)
+                else:
+                    sched = cls(stages, microbatches, loss_fn=self._loss)
+            except ValueError as exc:
+                raise ParatrainError(
+                    f"schedule {self.schedule_name!r} with {self.num_stages} stages on {self.pp} workers "
+                    f"cannot run {microbatches} micro-batches: {exc}. Choose another microbatches "
+                    "(a multiple of the workers is always accepted) or microbatches='auto'"
+                ) from None
+            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != microbatches}
+            self._schedules[key] = (sched, stages)
+        return self._schedules[key]
+
+    def _run(self, inputs: Any, targets: Any, microbatches: int) -> torch.Tensor | None:
+        sched, stages = self._schedule(microbatches, inputs)
+        first = any(s.is_first for s in stages)
+        last = any(s.is_last for s in stages)
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if last:
+            kwargs.update(target=targets, losses=losses)
+        if "return_outputs" in inspect.signature(sched.step).parameters:
+            kwargs["return_outputs"] = False
+        sched.step(*((inputs,) if first else ()), **kwargs)
+        if not last:
+            return None
+        loss = torch.stack([loss.detach().float() for loss in losses]).mean()
+        return loss * self.grad_accum if self.grad_accum > 1 else loss
+
+    # -- the step ---------------------------------------------------------------------------------
+    def forward(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        self._loss_fn = loss_fn
+        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        if not self.built:
+            self.build(inputs)
+        batch = batch_size(inputs)
+        if self.microbatches == "auto":
+            self._tune(inputs, targets, batch)
+        assert isinstance(self.microbatches, int)
+        check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
+        if self._measured:
+            local = self._run(inputs, targets, self.microbatches)
+        else:
+            local = self._measure_memory(inputs, targets)
+        value = local if local is not None else torch.zeros((), device=self.device)
+        total = value.detach().float().clone()
+        dist.all_reduce(total)  # only last-stage ranks contribute; one replica's loss each
+        return total / self.dp
+
+    def _tune(self, inputs: Any, targets: Any, batch: int) -> Search:
+        cls = _schedule_class(self.schedule_name, self.per_worker)
+        candidates = [m for m in divisors(batch) if self._accepts(cls, m)]
+
+        def measure(m: int) -> float:
+            seconds = median_time(lambda: self._run(inputs, targets, m), repeats=3, warmup=1,
+                                  devices=[self.device])
+            return _max_over_world(seconds, self.device)
+
+        with no_trace(self.local):
+            found = search(measure, candidates, self.num_stages)
+        self.microbatches = found.best
+        self.plan.microbatches = found.best
+        self.plan.search = found
+        self._schedules = {k: v for k, v in self._schedules.items() if k[0] == found.best}
+        self.plan.note(f"microbatches auto -> {found.best} (measured {len(found.curve)} of "
+                       f"{len(candidates)} counts in {found.seconds:.2f}s: "
+                       + ", ".join(f"{m}: {t * 1e3:.1f}ms" for m, t in found.curve.items()) + ")")
+        return found
+
+    def _accepts(self, cls: type, microbatches: int) -> bool:
+        if self.schedule_name == "1f1b" and microbatches < self.num_stages:
+            return False
+        if self.schedule_name in ("gpipe", "1f1b"):
+            return True
+        rounds = max(1, microbatches // self.pp)
+        return microbatches % rounds == 0
+
+    def _measure_memory(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+        """The first real step, watched: per-stage activations of one micro-batch and the step's peak."""
+        meter = ActivationMeter(exclude=self.local)
+        starts: dict[int, int] = {}
+        first: dict[int, int] = {}
+
+        def pre(module: nn.Module, args: Any) -> None:
+            starts[module.index] = meter.current  # type: ignore[index]
+
+        def post(module: nn.Module, args: Any, out: Any) -> None:
+            index: int = module.index  # type: ignore[assignment]
+            first[index] = max(first.get(index, 0), meter.current - starts[index])
+
+        hooks = [h for stage in self.local
+                 for h in (stage.register_forward_pre_hook(pre), stage.register_forward_hook(post))]
+        try:
+            with meter.measure():
+                local = self._run(inputs, targets, int(self.microbatches))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self._measured = True
+        sched, _ = self._schedule(int(self.microbatches), inputs)
+        most, bound = in_flight(getattr(sched, "pipeline_order", None), self.pp_rank, first)
+        row = StageMemory(stages=list(self.ids), params_bytes=sum(param_bytes(s) for s in self.local),
+                          activation_per_microbatch_bytes=sum(first.values()), in_flight_bound=most,
+                          activation_bound_bytes=bound, peak_activation_bytes=meter.peak)
+        rows: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, (dist.get_rank(), row))
+        pipeline = sorted((r for r in rows if r[0] < self.pp), key=lambda r: r[0])  # replica 0 speaks for all
+        self.plan.memory = [r[1] for r in pipeline]
+        if self.plan.verbose:
+            print(format_report(self.plan.memory, self.schedule_name, int(self.microbatches)), flush=True)
+        return local
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list | tuple):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _mean_over_world(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
+
+
+def _max_over_world(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
