@@ -197,13 +197,13 @@ def test_launch_from_a_script(tmp_path: Path) -> None:
         out.wait_for(lambda _: len(out.pids("KILL_ME")) == 2)
         proc.kill()
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _workers_under(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _workers_under(tmp_path) == []
         pids = [r["pid"] for r in res["results"]] + out.pids("PID") + out.pids("INTERRUPT_ME")
         pids += out.pids("KILL_ME")
         assert len(pids) == 8
+        deadline = time.monotonic() + 30  # a SIGKILLed process takes a moment to be torn down
+        while (_workers_under(tmp_path) or any(map(_alive, pids))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _workers_under(tmp_path) == []
         assert [_describe(pid) for pid in pids if _alive(pid)] == []
     finally:
         if proc.poll() is None:

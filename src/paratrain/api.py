@@ -37,8 +37,10 @@ class Run:
         self._sync_ctx: contextlib.AbstractContextManager[Any] | None = None
         self._saves = 0
         self._watch: Watch = INACTIVE
-        self._stop = StopRequest()
+        self._stop = StopRequest(grace_s=config.timeout_s or runtime.default_timeout_s())
         self._stop_seen: tuple[int, bool] | None = None
+        self._rebind_later: tuple[Any, dict[str, nn.Parameter], nn.Module] | None = None
+        """Pipelines split the model at their first step; the optimizer is re-pointed once after it."""
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -89,6 +91,7 @@ class Run:
         if optimizer is None:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
+        self._rebind_later = (optimizer, before, wrapped)
         return wrapped, PreparedOptimizer(optimizer, self._steps, self.scaler)
 
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
@@ -130,6 +133,10 @@ class Run:
         """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank."""
         with self._watch.op_scope("forward_backward"):
             loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, self.backward)
+        if self._rebind_later is not None:
+            optimizer, before, wrapped = self._rebind_later
+            self._rebind_later = None
+            rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
         self._leave_micro_step()
         return loss
 
@@ -163,6 +170,7 @@ class Run:
         with self._watch.op_scope("should_stop"):
             flag = bool(collectives.all_reduce(float(self._stop.requested), op="max", device=self.device) > 0)
         self._stop_seen = (self._steps.micro, flag)
+        self._stop.answered = self._stop.answered or flag
         return flag
 
     @property

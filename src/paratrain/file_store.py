@@ -11,8 +11,8 @@ dies, so a lock held means a live user:
               got it -> nobody alive uses the file: a non-empty store file is stale -> error naming the fix;
                         otherwise create the store, then downgrade to shared (atomic: no gap a peer could see)
               busy   -> live peers: wait (bounded) for a shared lock and join their store
-    leave:  the worker that can upgrade to exclusive is the last one; it removes the store file if torch
-            did not (a script that exited without destroying its process group), then lets go.
+    leave:  unlock, then try the lock exclusively: whoever gets it is the last one out and removes the
+            store file if torch did not (a script that exited without destroying its process group).
 
 The `.lock` file itself stays (deleting a lock file races with its next user); it is empty. Needs a
 filesystem with POSIX locks, as torch's FileStore itself does (local disks, NFS with locking).
@@ -36,7 +36,9 @@ except ImportError:  # Windows: torch locks the store file itself; stale files a
     fcntl = None  # type: ignore[assignment]
 
 _held: dict[str, int] = {}
-"""Store path -> descriptor of its lock file, while this process's process group uses the store."""
+"""Store path -> descriptor of its lock file, while this process's process group uses the store. POSIX locks
+belong to the process and vanish when it closes *any* descriptor of the file, so a held path is never
+opened a second time here."""
 _JOIN_WAIT_S = 60.0
 
 
@@ -48,6 +50,7 @@ def path_of(init: str) -> str | None:
 def open_store(path: str, world_size: int) -> dist.Store:
     """The FileStore at `path` for this process's process group, after the stale and writability checks."""
     path = os.path.abspath(path)
+    release(path)  # a process group of ours on it that was destroyed behind runtime's back
     fd = _open_lock(path)
     if fd is None:
         return dist.FileStore(path, world_size)
@@ -62,16 +65,19 @@ def open_store(path: str, world_size: int) -> dist.Store:
     except BaseException:
         os.close(fd)
         raise
-    if not _held:
-        atexit.register(release)
     _held[path] = fd
     return store
 
 
-def release() -> None:
-    """Let go of the stores this process joined; the last user of a store removes its file."""
+def release(only: str | None = None) -> None:
+    """Let go of the stores this process joined (or of `only`); the last user of a store removes its file.
+    Also runs at exit, for scripts that never destroy their process group."""
     for path, fd in list(_held.items()):
+        if only is not None and path != only:
+            continue
         try:
+            # Unlock first, then probe: of peers leaving together, at least the last to probe gets through.
+            fcntl.lockf(fd, fcntl.LOCK_UN)
             if _try_lock(fd, exclusive=True):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -84,8 +90,11 @@ def preflight(path: str, *, expect_idle: bool) -> None:
     """Check a store path before starting workers, so a bad one fails in the launcher rather than in each
     worker. `expect_idle`: the caller starts every worker itself, so live users mean another job."""
     path = os.path.abspath(path)
-    fd = _open_lock(path)
+    fd = None if path in _held else _open_lock(path)
     if fd is None:
+        if path in _held and expect_idle:
+            raise ParatrainError(f"file store {path!r} is in use by this process's own process group; "
+                                 "give each job its own path")
         return
     try:
         if _try_lock(fd, exclusive=True):
@@ -102,7 +111,7 @@ def preflight(path: str, *, expect_idle: bool) -> None:
 def remove_if_unused(path: str) -> bool:
     """Delete the store file when no live process uses it (a launcher whose workers have all ended)."""
     path = os.path.abspath(path)
-    fd = _open_lock(path)
+    fd = None if path in _held else _open_lock(path)
     if fd is None:
         return False
     try:
@@ -167,3 +176,6 @@ def _refuse_stale(path: str) -> None:
         f"file store {path!r} is left over from an earlier run ({size} bytes, last written {when}) that did "
         f"not shut down cleanly; no running process uses it. Delete it (rm {path}) or use a new path"
     )
+
+
+atexit.register(release)

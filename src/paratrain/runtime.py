@@ -228,16 +228,22 @@ def install_error_file_hook() -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or getattr(sys, "_paratrain_hook", False):
         return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    import json
+    import time
+    import traceback
 
     previous = sys.excepthook
 
     def hook(kind, value, tb):  # type: ignore[no-untyped-def]
+        # torch's ErrorHandler.record_exception reads the traceback from sys.exc_info(), which is empty in
+        # an excepthook ("NoneType: None" in the launcher's summary); write the same record with the real one.
         try:
-            ErrorHandler().record_exception(value)
+            record = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                "timestamp": str(int(time.time()))}}}
+            with open(path, "w") as f:
+                json.dump(record, f)
         finally:
-            # Name the rank on the traceback itself: torchrun passes worker stderr through unprefixed.
-            sys.stderr.write(f"paratrain: worker rank {os.environ.get('RANK', '?')} (pid {os.getpid()}) failed:\n")
             previous(kind, value, tb)
 
     sys.excepthook = hook

@@ -139,15 +139,18 @@ class _Builder:
         ref = REFERENCE.get(spec.strategy)
         if ref is None or not self.references:
             return [spec]
-        schedule = spec.schedule
-        if schedule == "1f1b" and spec.microbatches is not None and spec.microbatches < spec.workers:
-            schedule = "gpipe"  # torch's Schedule1F1B needs micro-batches >= stages; with fewer they are the same
-        twin = Spec(ref, spec.workers, spec.microbatches, schedule, spec.devices)
+        twin = Spec(ref, spec.workers, spec.microbatches, spec.schedule, spec.devices)
         if ref == "torch-pipelining" and spec.schedule not in REFERENCE_SCHEDULES:
             self.skip(twin, f"the hand-written torch.distributed.pipelining reference covers schedules "
                             f"{', '.join(REFERENCE_SCHEDULES)}, not {spec.schedule!r}")
             return [spec]
         return [spec, twin]
+
+    def schedule(self, strategy: str, stages: int, microbatches: int) -> str | None:
+        """1F1B needs at least as many micro-batches as stages; with fewer it is GPipe, so GPipe runs."""
+        if strategy == "mp":
+            return None
+        return "gpipe" if self.s.schedule == "1f1b" and microbatches < stages else self.s.schedule
 
     def gpu_limit(self, spec: Spec, nproc: int) -> bool:
         if self.s.gpus and nproc > self.s.gpus:
@@ -158,11 +161,12 @@ class _Builder:
 
     def pipelines(self, strategy: str, workers: int, nproc: int, batch: int, devices: tuple[str, ...] | None,
                   title: str) -> None:
-        schedule = self.s.schedule if strategy != "mp" else None
+        stages = PP_SIZE_HYBRID if strategy == "ddp+pp" else workers
         counts, bad = _split(batch, self.microbatches)
         for m, reason in bad:
-            self.skip(Spec(strategy, workers, m, schedule, devices), reason)
-        specs = [s for m in counts for s in self.with_reference(Spec(strategy, workers, m, schedule, devices))]
+            self.skip(Spec(strategy, workers, m, self.schedule(strategy, stages, m), devices), reason)
+        specs = [s for m in counts
+                 for s in self.with_reference(Spec(strategy, workers, m, self.schedule(strategy, stages, m), devices))]
         if specs:
             self.job(nproc, specs, title)
 

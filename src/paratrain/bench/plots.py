@@ -54,8 +54,12 @@ def bar_chart(results: dict[str, Any], path: Path) -> Path:
     runs = best_per_configuration(results["runs"])
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
     colors = [TORCH_COLOR if r["strategy"].startswith("torch-") else PARATRAIN_COLOR for r in runs]
-    ax.bar(range(len(runs)), [r["median_step_s"] for r in runs], yerr=_iqr_bars(runs), align="center",
-           alpha=0.6, ecolor="red", capsize=8, width=0.6, color=colors)
+    bars = ax.bar(range(len(runs)), [r["median_step_s"] for r in runs], yerr=_iqr_bars(runs), align="center",
+                  alpha=0.6, ecolor="red", capsize=8, width=0.6, color=colors)
+    for bar, r in zip(bars, runs):
+        if r["speedup_vs_single"] is not None:
+            ax.annotate(f"{r['speedup_vs_single']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("time per training step (s), median")
     ax.set_xticks(range(len(runs)))
     ax.set_xticklabels([_label(r) for r in runs], fontsize=8)

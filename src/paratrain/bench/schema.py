@@ -99,7 +99,8 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = [torch.cuda.get_device_name(i) for i in range(count)]
     return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
 

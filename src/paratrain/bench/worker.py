@@ -7,6 +7,7 @@ configuration that raises is dropped after all ranks agree on it (with its reaso
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from collections.abc import Callable
@@ -164,6 +165,14 @@ def _block(side: _Side, count: int, device: torch.device) -> list[float]:
     return [float(t) for t in stats[:-1]]
 
 
+def _build(spec: Spec, workload: Workload, data: Batch, settings: Settings,
+           device: torch.device) -> Callable[[], None]:
+    reference = references.BUILDERS.get(spec.strategy)
+    if reference is not None:
+        return reference(spec, workload, data, settings, device)
+    return paratrain_side(spec, workload, data, settings)
+
+
 def _guarded(side: _Side, action: Callable[[], Any]) -> Any:
     try:
         result = action()
@@ -183,19 +192,17 @@ def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
     data = workload.data(settings.batch)
     sides = [_Side(spec) for spec in job.specs]
     for side in sides:
-        build = references.BUILDERS.get(side.spec.strategy)
-        side.step = _guarded(side, lambda s=side, b=build: b(s.spec, workload, data, settings, device) if b
-                             else paratrain_side(s.spec, workload, data, settings))
+        side.step = _guarded(side, functools.partial(_build, side.spec, workload, data, settings, device))
         if side.reason:
             say(f"      {side.spec.label}: failed: {side.reason}")
     for side in sides:
         if side.step is not None and settings.warmup:
-            _guarded(side, lambda s=side: _block(s, settings.warmup, device))
+            _guarded(side, functools.partial(_block, side, settings.warmup, device))
     for r in range(settings.repeat):
         for side in sides:
             if side.step is None:
                 continue
-            times = _guarded(side, lambda s=side: _block(s, settings.steps, device))
+            times = _guarded(side, functools.partial(_block, side, settings.steps, device))
             if times:
                 side.times += times
                 median = sorted(times)[len(times) // 2]

@@ -99,9 +99,15 @@ class Beat:
         return cls(rank, float(d["t"]), int(d["seq"]), str(d["op"]), str(d["where"]), int(d["pid"]), str(d["host"]))
 
 
-def _exited(beat: Beat) -> bool:
+def exited(beat: Beat) -> bool:
+    """True when the peer ran on this host and its process is gone (or a zombie not yet reaped)."""
     if beat.host != socket.gethostname():
         return False
+    try:
+        with open(f"/proc/{beat.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        pass
     try:
         os.kill(beat.pid, 0)
     except ProcessLookupError:
@@ -117,10 +123,10 @@ def describe(beat: Beat | None, op: str, seq: int, silent_after: float, now: flo
         return False, "no heartbeat ever published (it never reached setup(), or cannot reach the store)"
     now = time.time() if now is None else now
     at = f"at {beat.where}"
-    if _exited(beat):
-        doing = f"in {beat.op} #{beat.seq}" if beat.op else f"after collective #{beat.seq}"
-        return False, f"its process (pid {beat.pid}) has exited; it was last {doing} {at}"
     age = now - beat.time
+    if exited(beat):
+        doing = f"in {beat.op} #{beat.seq}" if beat.op else f"after collective #{beat.seq}"
+        return False, f"its process (pid {beat.pid}) has exited; {age:.1f} s before, it was {doing} {at}"
     if age > silent_after:
         return False, f"no heartbeat for {age:.1f} s (dead, or stuck outside Python); last {at}"
     if beat.op == op and beat.seq == seq:

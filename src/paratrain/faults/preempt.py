@@ -13,13 +13,16 @@ and leaves together:
         break
 
 A script that never reads `should_stop` keeps SIGTERM's usual meaning (the process ends at once),
-so an old script is not left running when its launcher asks it to stop.
+so an old script is not left running when its launcher asks it to stop. Nor is a rank that is stuck
+(hung in user code, or waiting on a dead peer): if no step boundary answers the request within
+`grace_s` (the collective timeout), the process ends as SIGTERM would have ended it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -28,8 +31,11 @@ from typing import Any
 class StopRequest:
     """The SIGTERM flag of one process."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = 600.0) -> None:
+        self.grace_s = grace_s
         self.requested = False
+        self.answered = False
+        """Set when `should_stop` has told the loop to stop: the checkpoint is being written."""
         self.polled = False
         """Set once the script reads `Run.should_stop`: from then on SIGTERM is deferred to a step boundary."""
         self._previous: Any = None
@@ -49,6 +55,9 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.polled and not self.requested:
             self.requested = True
+            timer = threading.Timer(self.grace_s, self._expire)
+            timer.daemon = True
+            timer.start()
             return
         # Not polled, or asked twice: behave as if we had never installed a handler.
         self.uninstall()
@@ -56,3 +65,10 @@ class StopRequest:
             self._previous(signum, frame)
         else:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def _expire(self) -> None:
+        if not self.answered:
+            sys.stderr.write(f"paratrain: SIGTERM received {self.grace_s:.0f} s ago and no step boundary reached "
+                             "since (stuck in user code or in a collective?); exiting without a checkpoint\n")
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGTERM)

@@ -127,11 +127,11 @@ class Watch:
     def diagnose(self, exc: BaseException) -> tuple[list[int], str]:
         """Read every heartbeat (waiting briefly for peers whose last one predates this collective)."""
         waited = time.time() - self._since
-        deadline = time.monotonic() + 2 * self.interval
+        deadline = time.monotonic() + min(2 * self.interval, 1.0)
         beats = self.read()
         while time.monotonic() < deadline and any(
             b is not None and b.time < self._since and time.time() - b.time < self.silent_after
-            and not diagnose._exited(b) for p, b in beats.items() if p != self.rank
+            and not diagnose.exited(b) for p, b in beats.items() if p != self.rank
         ):
             time.sleep(self.interval / 4)
             beats = self.read()

@@ -11,9 +11,14 @@ from __future__ import annotations
 import os
 import uuid
 
+from .. import file_store
 from ..errors import ParatrainError
 from ..runtime import cuda_count
 from .checks import LaunchSpec, check
+
+
+_LAST_CALL_S = 3
+"""Seconds an elastic rendezvous waits for more nodes once --nnodes MIN have joined."""
 
 
 def torchrun_args(spec: LaunchSpec, script: str, script_args: list[str]) -> list[str]:
@@ -24,6 +29,10 @@ def torchrun_args(spec: LaunchSpec, script: str, script_args: list[str]) -> list
     else:
         endpoint = f"{spec.master_addr}:{spec.master_port}"
         conf = [f"is_host={str(spec.node_rank == 0).lower()}", f"join_timeout={int(max(spec.connect_timeout, 30))}"]
+        if spec.min_nodes != spec.max_nodes:
+            # torch's defaults (a lost node noticed after 3 x 5 s keep-alives, then 30 s of "last call" for
+            # more nodes) make every elastic restart cost ~45 s; a few seconds suit jobs of a few nodes.
+            conf += [f"last_call_timeout={_LAST_CALL_S}", "keep_alive_interval=1", "keep_alive_max_attempt=3"]
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={spec.run_id}",
                  f"--rdzv-conf={','.join(conf)}", f"--node-rank={spec.node_rank}"]
         if spec.min_nodes != spec.max_nodes:
@@ -42,20 +51,48 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     if spec.timeout:
         env["PARATRAIN_TIMEOUT"] = str(spec.timeout)
     env["PARATRAIN_CONNECT_TIMEOUT"] = str(spec.connect_timeout)
+    # torchrun shares its rendezvous TCPStore with the workers by default, without a per-restart key
+    # prefix: restarted workers then read the previous generation's gloo/NCCL addresses and fail to
+    # connect or hang (pytorch/pytorch#135712). A fresh store per rendezvous round keeps restarts clean.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return env
+
+
+def check_init(spec: LaunchSpec) -> None:
+    """A bad `--init` fails here, once, instead of in every worker after torch has been imported N times."""
+    if not spec.init:
+        return
+    if not spec.init.startswith(("file://", "tcp://", "env://")):
+        raise ParatrainError(f"--init {spec.init!r} not understood; use file:///PATH, tcp://HOST:PORT or env://")
+    store_path = file_store.path_of(spec.init)
+    if store_path is None:
+        return
+    if spec.max_restarts:
+        raise ParatrainError(
+            f"--init {spec.init} cannot be combined with --max-restarts {spec.max_restarts}: restarted workers "
+            "would find the store file of the workers that failed; drop --init to use the agent's TCP store"
+        )
+    # Other nodes' workers may already be using the file in a multi-node run: only a dead run's file is refused.
+    file_store.preflight(store_path, expect_idle=False)
 
 
 def run(spec: LaunchSpec, script: str, script_args: list[str]) -> int:
     check(spec)
+    check_init(spec)
     if not os.path.exists(script):
         raise ParatrainError(f"script {script!r} not found")
     os.environ.update(worker_env(spec))
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = torchrun.parse_args(torchrun_args(spec, script, script_args))
     try:
         torchrun.run(args)
+    except SignalException as exc:  # preempted: the agent has passed the signal on and waited for the workers
+        print(f"paratrain run: stopped by signal {exc.sigval.name}; workers that poll run.should_stop saved a "
+              "checkpoint first", flush=True)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         failures = exc.failures
         ranks = sorted(failures)

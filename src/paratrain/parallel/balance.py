@@ -9,7 +9,6 @@ instead; "equal" is the naive split by layer count.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ MODES = ("time", "memory", "equal")
 class LayerCost:
     name: str
     seconds: float
-    """Median forward + backward time of the sample through this layer."""
+    """Forward + backward time of the sample through this layer (fastest of the repeats: noise only adds)."""
     params_bytes: int
     activation_bytes: int
     """Bytes this layer saves for backward for the sample."""
@@ -65,7 +64,7 @@ def _device_of(module: nn.Module) -> torch.device | None:
 
 
 def profile_layers(layers: Sequence[Layer], sample: Any, repeats: int = 3) -> list[LayerCost]:
-    """Per-layer forward+backward seconds (median of `repeats` after a warm-up), parameter and
+    """Per-layer forward+backward seconds (fastest of `repeats` after a warm-up), parameter and
     activation bytes. Each layer runs where its parameters are; the model is left exactly as found."""
     modules = [m for _, m in layers]
     seconds: list[list[float]] = [[] for _ in layers]
@@ -89,7 +88,7 @@ def profile_layers(layers: Sequence[Layer], sample: Any, repeats: int = 3) -> li
                     seconds[i].append(time.perf_counter() - start)
                 activations[i] = max(activations[i], meter.peak)
                 x = y
-    return [LayerCost(name, statistics.median(s), param_bytes(m), a)
+    return [LayerCost(name, min(s), param_bytes(m), a)
             for (name, m), s, a in zip(layers, seconds, activations)]
 
 

@@ -136,7 +136,8 @@ def _size(n: float) -> str:
 
 def format_report(rows: list[StageMemory], schedule: str, microbatches: int) -> str:
     lines = [f"paratrain: memory ({schedule}, {microbatches} micro-batches)",
-             f"  {'stages':<8} {'params':>10} {'act/micro-batch':>16} {'in flight':>9} {'bound':>10} {'measured peak':>14}"]
+             f"  {'stages':<8} {'params':>10} {'act/micro-batch':>16} {'in flight':>9} {'bound':>10} "
+             f"{'measured peak':>14}"]
     for row in rows:
         lines.append(
             f"  {','.join(map(str, row.stages)):<8} {_size(row.params_bytes):>10} "

@@ -119,7 +119,7 @@ def _model(m: int, t: float, o: float, stages: int) -> float:
 
 def search(measure: Callable[[int], float], candidates: Sequence[int], stages: int,
            budget: int | None = None) -> Search:
-    """Pick a fast micro-batch count from `candidates` measuring only a few of them.
+    """Pick a fast micro-batch count from `candidates` measuring only a few of them (at most `budget`).
 
     `measure(m)` returns seconds per step; it must be deterministic in which `m` it is given, so that
     every process of a pipeline runs the same trials (timings are agreed on before they are returned).
@@ -128,7 +128,7 @@ def search(measure: Callable[[int], float], candidates: Sequence[int], stages: i
     if not cands:
         raise ParatrainError("no micro-batch count fits this batch and schedule; pass microbatches=N")
     start = time.perf_counter()
-    budget = budget or max(3, math.ceil(len(cands) / 3))
+    budget = budget or len(cands)
     curve: dict[int, float] = {}
 
     def at(i: int) -> float:
@@ -137,24 +137,33 @@ def search(measure: Callable[[int], float], candidates: Sequence[int], stages: i
             curve[m] = measure(m)
         return curve[m]
 
-    # Probes: around 2K (where pipelines usually do best) and a quarter of the list's log-range lower.
-    guess = min(range(len(cands)), key=lambda i: abs(math.log(cands[i] / (2 * stages))))
-    lower = max(0, min(guess - 1, int(guess - len(cands) / 4)))
-    for i in (guess, lower):
-        at(i)
+    def nearest(m: float) -> int:
+        return min(range(len(cands)), key=lambda i: abs(math.log(cands[i] / m)))
+
+    # Two probes where pipelines usually do best (2K and 8K micro-batches) fix t and o ...
+    first = nearest(2 * stages)
+    second = nearest(8 * stages)
+    if second == first:
+        second = first + 1 if first + 1 < len(cands) else first - 1
+    for i in (first, second):
+        if 0 <= i < len(cands):
+            at(i)
+    # ... and the model's minimum is measured next.
     if len(curve) >= 2:
-        t, o = _fit({m: curve[m] for m in curve}, stages)
-        predicted = min(range(len(cands)), key=lambda i: _model(cands[i], t, o, stages))
-        at(predicted)
-    # Walk downhill over measured neighbours while the budget lasts.
+        t, o = _fit(curve, stages)
+        at(min(range(len(cands)), key=lambda i: _model(cands[i], t, o, stages)))
+    # Walk downhill over unmeasured neighbours of the best point while the time spent stays within a
+    # third of what the fitted model says a full sweep would cost.
     while len(curve) < min(budget, len(cands)):
+        t, o = _fit(curve, stages)
         best = cands.index(min(curve, key=lambda m: curve[m]))
         options = [i for i in (best - 1, best + 1) if 0 <= i < len(cands) and cands[i] not in curve]
         if not options:
             break
-        if len(curve) >= 2:
-            t, o = _fit(curve, stages)
-            options.sort(key=lambda i: _model(cands[i], t, o, stages))
+        options.sort(key=lambda i: _model(cands[i], t, o, stages))
+        full = sum(curve.get(m, _model(m, t, o, stages)) for m in cands)
+        if sum(curve.values()) + _model(cands[options[0]], t, o, stages) > full / 3:
+            break
         before = min(curve.values())
         at(options[0])
         if curve[cands[options[0]]] >= before and len(options) == 1:

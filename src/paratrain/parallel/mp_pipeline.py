@@ -56,6 +56,8 @@ class MPPipeline(nn.Module):
         self._copier = Copier(self.devices)
         self._meters: list[ActivationMeter] | None = None
         self._first: dict[int, int] = {}
+        self.agree: Callable[[list[float]], list[float]] | None = None
+        """Makes processes that each hold a replica (ddp+mp) measure, and so split, identically."""
 
     @property
     def built(self) -> bool:
@@ -69,7 +71,7 @@ class MPPipeline(nn.Module):
             raise too_few_layers(len(layers), k)
         if isinstance(self.requested_balance, str) and self.requested_balance in ("time", "memory"):
             self._place(split_into_stages(layers, equal_balance(len(layers), k)))  # measure on the devices
-        balance, costs = choose_balance(self.requested_balance, layers, k, sample=sample)
+        balance, costs = choose_balance(self.requested_balance, layers, k, sample=sample, agree=self.agree)
         self._place(split_into_stages(layers, balance))
         self.plan.balance = balance
         self.plan.layer_costs = costs

@@ -11,8 +11,8 @@ The model is split at the first step, when a batch exists to measure layers with
 and the timings are averaged over all ranks, so all ranks cut the model identically. Parameters of the
 stages a rank does not hold are emptied, so the memory a pipeline saves is really saved.
 
-The loss of a step is the mean of the micro-batch losses (the schedule divides gradients by M), which
-equals the full-batch mean loss because micro-batches have equal size; uneven splits are refused.
+The loss of a step is the mean of the micro-batch losses (each is divided by M before its backward),
+which equals the full-batch mean loss because micro-batches have equal size; uneven splits are refused.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class PipelineModule(nn.Module):
 
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
                  device: torch.device, microbatches: int | str, balance: Sequence[int] | str,
-                 group: Any = None, dp: int = 1, grad_accum: int = 1,
-                 wrap_stage: Callable[[nn.Module], nn.Module] | None = None, strategy: str = "pp") -> None:
+                 group: Any = None, dp: int = 1, dp_group: Any = None, grad_accum: int = 1,
+                 strategy: str = "pp") -> None:
         super().__init__()
         check_layout(schedule, pp, per_worker, microbatches)
         self.full = model
@@ -99,15 +99,20 @@ class PipelineModule(nn.Module):
         self.num_stages = pp * per_worker
         self.ids = stage_indices(schedule, pp_rank, pp, per_worker)
         self.device, self.group, self.dp, self.grad_accum = device, group, dp, grad_accum
+        self.dp_group = dp_group
+        self.sync_grads = True
+        """False inside an accumulation window: replicas average gradients only when the optimizer steps."""
         self.microbatches: int | str = microbatches
         self.requested_balance = balance
-        self._wrap_stage = wrap_stage
         self.local: list[Stage] = []
         self.plan = Plan(strategy=strategy, stages=self.num_stages, microbatches=microbatches,
                          schedule=schedule, verbose=dist.get_rank() == 0)
         self._schedules: dict[Any, Any] = {}
         self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
         self._measured = False
+        self._meter: ActivationMeter | None = None
+        self._loss_saved = 0
+        self._loss_scale = 1
 
     # -- splitting --------------------------------------------------------------------------------
     @property
@@ -127,42 +132,40 @@ class PipelineModule(nn.Module):
             if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
-        self._runs = [self._wrap_stage(s) if self._wrap_stage else s for s in self.local]
-        self._registered = nn.ModuleList(self._runs)
+        self._registered = nn.ModuleList(self.local)
         self.plan.balance = balance
         self.plan.layer_costs = costs
         self.plan.note(describe(balance, costs, self.requested_balance))
         del self.full  # only this worker's stages remain reachable through the wrapper
 
     def holds(self) -> nn.Module:
-        """This worker's layers under their original names (what `unwrap` returns)."""
-        if not self.built:
-            raise ParatrainError(
-                "the pipeline is split at its first step (balance is measured on a real batch), so its "
-                "weights are not yet assigned to workers. Load checkpoints after the first "
-                "run.forward_backward, or pass an explicit balance=[...] (printed when the run started)"
-            )
-        return merged(self.local)
+        """This worker's layers under their original names (what `unwrap` returns). Before the first step
+        splits the model that is the whole model: a checkpoint loaded then restores every layer, and the
+        split keeps this worker's share."""
+        return merged(self.local) if self.built else self.full
 
     # -- schedules --------------------------------------------------------------------------------
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
+        meter, before = self._meter, self._meter.current if self._meter else 0
         loss = self._loss_fn(output, target)
-        return loss / self.grad_accum if self.grad_accum > 1 else loss
+        if meter is not None:  # what the loss keeps for backward belongs to the last stage's micro-batch
+            self._loss_saved = max(self._loss_saved, meter.current - before)
+        return loss / self._loss_scale
 
     def _schedule(self, microbatches: int, inputs: Any) -> Any:
         key = (microbatches, _signature(inputs))
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
-            stages = [PipelineStage(run, i, self.num_stages, self.device, group=self.group)
-                      for run, i in zip(self._runs, self.ids)]
+            stages = [PipelineStage(stage, i, self.num_stages, self.device, group=self.group)
+                      for stage, i in zip(self.local, self.ids)]
             cls = _schedule_class(self.schedule_name, self.per_worker)
             try:
-                if self.schedule_name in ("gpipe", "1f1b"):
-                    sched = cls(stages[0], microbatches, loss_fn=self._loss)
-                else:
-                    sched = cls(stages, microbatches, loss_fn=self._loss)
+                # The loss is scaled instead of the gradients (scale_grads=False): torch would divide all of
+                # .grad, including what earlier micro-steps of an accumulation window left there.
+                first = stages[0] if self.schedule_name in ("gpipe", "1f1b") else stages
+                sched = cls(first, microbatches, loss_fn=self._loss, scale_grads=False)
             except ValueError as exc:
                 raise ParatrainError(
                     f"schedule {self.schedule_name!r} with {self.num_stages} stages on {self.pp} workers "
@@ -183,31 +186,55 @@ class PipelineModule(nn.Module):
             kwargs.update(target=targets, losses=losses)
         if "return_outputs" in inspect.signature(sched.step).parameters:
             kwargs["return_outputs"] = False
+        self._loss_scale = microbatches * self.grad_accum  # mean over micro-batches and micro-steps
         sched.step(*((inputs,) if first else ()), **kwargs)
         if not last:
             return None
-        loss = torch.stack([loss.detach().float() for loss in losses]).mean()
-        return loss * self.grad_accum if self.grad_accum > 1 else loss
+        return torch.stack([loss.detach().float() for loss in losses]).sum() * self.grad_accum
 
     # -- the step ---------------------------------------------------------------------------------
     def forward(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         self._loss_fn = loss_fn
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        batch = batch_size(inputs)
+        if isinstance(self.microbatches, int):
+            check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
         if not self.built:
             self.build(inputs)
-        batch = batch_size(inputs)
         if self.microbatches == "auto":
             self._tune(inputs, targets, batch)
         assert isinstance(self.microbatches, int)
-        check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
         if self._measured:
             local = self._run(inputs, targets, self.microbatches)
         else:
             local = self._measure_memory(inputs, targets)
+        if self.dp > 1 and self.sync_grads:
+            self._average_grads()
         value = local if local is not None else torch.zeros((), device=self.device)
         total = value.detach().float().clone()
         dist.all_reduce(total)  # only last-stage ranks contribute; one replica's loss each
         return total / self.dp
+
+    def _average_grads(self) -> None:
+        """Mean gradients over the replicas of this stage: one all-reduce per dtype, after the schedule.
+
+        DDP itself cannot wrap a stage here: torch's pipeline stages drive DDP's reducer by hand, which
+        fails its bucket rebuild after the first step once there is more than one micro-batch, and a
+        zero-bubble weight backward bypasses DDP's hooks altogether.
+        """
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for stage in self.local:
+            for p in stage.parameters():
+                if p.grad is not None:
+                    by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.dp
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _tune(self, inputs: Any, targets: Any, batch: int) -> Search:
         cls = _schedule_class(self.schedule_name, self.per_worker)
@@ -252,12 +279,16 @@ class PipelineModule(nn.Module):
 
         hooks = [h for stage in self.local
                  for h in (stage.register_forward_pre_hook(pre), stage.register_forward_hook(post))]
+        self._meter = meter
         try:
             with meter.measure():
                 local = self._run(inputs, targets, int(self.microbatches))
         finally:
+            self._meter = None
             for hook in hooks:
                 hook.remove()
+        if self.num_stages - 1 in first:
+            first[self.num_stages - 1] += self._loss_saved
         self._measured = True
         sched, _ = self._schedule(int(self.microbatches), inputs)
         most, bound = in_flight(getattr(sched, "pipeline_order", None), self.pp_rank, first)

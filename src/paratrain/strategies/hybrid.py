@@ -1,8 +1,7 @@
 """Data parallelism over model parallelism: "ddp+pp" and "ddp+mp".
 
 ddp+pp lays the workers out on a 2-D DeviceMesh, replicas along "dp" and pipeline ranks along "pp";
-each stage is wrapped in DDP over its "dp" group, and torch's pipeline stages all-reduce gradients on
-the last micro-batch's backward:
+after each step (or accumulation window) every stage averages its gradients over its "dp" group:
 
     world 4 = dp 2 x pp 2        pp rank 0   pp rank 1
               replica 0           rank 0  ->  rank 1      batches 0, 2, 4 ... (first half)
@@ -16,8 +15,8 @@ all-reduces across processes. On CUDA process r gets devices r*k ... r*k+k-1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from ..parallel.mp_pipeline import MPPipeline
 from ..parallel.pipelining import PipelineModule
 from ..runtime import cuda_count
 from . import register
-from ._common import no_context, whole_batch
+from ._common import whole_batch
 from .base import Context, LossFn
 from .ddp import apply_ddp
 from .mp import check_common, pipelined_step
@@ -64,26 +63,35 @@ class DataPipeline:
         cfg = ctx.config
         dp, pp = dp_pp(ctx)
         mesh = init_device_mesh(ctx.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-        dp_group = mesh.get_group("dp")
-
-        def replicate(stage: nn.Module) -> nn.Module:
-            return apply_ddp(stage, ctx, process_group=dp_group)
-
         return PipelineModule(
             model, schedule=cfg.schedule, pp_rank=mesh.get_local_rank("pp"), pp=pp,
             per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
-            balance=cfg.balance, group=mesh.get_group("pp"), dp=dp, grad_accum=cfg.grad_accum,
-            wrap_stage=replicate, strategy=self.name,
+            balance=cfg.balance, group=mesh.get_group("pp"), dp=dp, dp_group=mesh.get_group("dp"),
+            grad_accum=cfg.grad_accum, strategy=self.name,
         )
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         dp, pp = dp_pp(ctx)
         return ctx.placement.rank // pp, dp
 
-    # torch's pipeline stage all-reduces on every step's last backward, whatever no_sync says
-    sync_context = staticmethod(no_context)
+    @staticmethod
+    def sync_context(model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
+        return _gradient_sync(model, sync)
     forward_backward = staticmethod(pipeline_forward_backward)
     unwrap = staticmethod(pipeline_unwrap)
+
+
+@contextmanager
+def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Replicas average gradients after a step only when it completes an accumulation window."""
+    if not isinstance(model, PipelineModule):
+        yield
+        return
+    model.sync_grads = sync
+    try:
+        yield
+    finally:
+        model.sync_grads = True
 
 
 class _ReplicatedPipeline(nn.Module):
@@ -94,6 +102,10 @@ class _ReplicatedPipeline(nn.Module):
         self.pipe = pipe
         self._ctx = ctx
         self._ddp: list[nn.Module] = []  # a list, so the DDP wrapper is not a second registered parent
+
+    @property
+    def plan(self) -> Any:
+        return self.pipe.plan
 
     def build(self, sample: Any) -> None:
         if not self.pipe.built:
@@ -115,6 +127,12 @@ def worker_devices(ctx: Context) -> list[torch.device]:
         return [torch.device("cpu")] * k
     first = ctx.placement.local_rank * k
     return [torch.device("cuda", first + i) for i in range(k)]
+
+
+def _mean_over_world(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
 
 
 def _max_over_world(value: float, device: torch.device) -> float:
@@ -144,6 +162,7 @@ class DataModelParallel:
         pipe = MPPipeline(model, worker_devices(ctx), ctx.config.microbatches, ctx.config.balance)
         pipe.plan.strategy = self.name
         pipe.plan.verbose = ctx.placement.rank == 0
+        pipe.agree = lambda values: _mean_over_world(values, ctx.device)
         return _ReplicatedPipeline(pipe, ctx)
 
     data_shard = staticmethod(whole_batch)

@@ -1,0 +1,141 @@
+"""File-store initialisation (`init="file:///path"`): two workers over a shared file reach the single-process
+weights, both through `setup(init=...)` under `paratrain.launch` and through `paratrain run --init`; a clean
+run leaves no store file behind, and an unwritable path or a crashed run's file is refused fast, naming the fix."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import helpers
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import EXAMPLES, max_diff, train_toy
+
+import paratrain
+from paratrain import ParatrainError, file_store
+
+
+def _crashed_run_file(path: Path) -> dist.FileStore:
+    """The file a worker killed mid-run leaves: torch's own keys and reference count, written just now (so no
+    age heuristic would call it stale). The caller keeps the returned store object alive: its destructor,
+    which a killed process never runs, would tidy the file up."""
+    store = dist.FileStore(str(path), 2)
+    store.set("paratrain/from-an-earlier-run", "1")
+    assert path.stat().st_size > 0
+    return store
+
+
+def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
+    for key, value in {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}.items():
+        monkeypatch.setenv(key, str(value))
+
+
+def _refused(match: str, fn, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    with pytest.raises(ParatrainError, match=match):
+        fn(*args, **kwargs)
+    assert time.monotonic() - start < 5, "a bad store path must fail at once, not after a rendezvous timeout"
+
+
+def test_bad_store_paths_are_refused_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_rank(monkeypatch, 0, 2)  # as a worker of a two-process job: a good path would wait for its peer
+    setup = paratrain.setup
+
+    _refused(r"directory '.*/missing' does not exist; create it", setup, strategy="ddp", timeout_s=10,
+             init=f"file://{tmp_path}/missing/store")
+    (tmp_path / "a-file").write_text("")
+    _refused(r"directory '.*/a-file' does not exist", setup, strategy="ddp", timeout_s=10, init=f"file://{tmp_path}/a-file/store")
+    _refused("is a directory; give a file path inside it", setup, strategy="ddp", timeout_s=10, init=f"file://{tmp_path}")
+    if os.geteuid() == 0:
+        unwritable = Path("/sys")  # permissions do not stop root; sysfs refuses new files to everyone
+    else:
+        unwritable = tmp_path / "read-only"
+        unwritable.mkdir(mode=0o500)
+    _refused(rf"cannot write in '{unwritable}' \(Permission denied\); use a path on a writable filesystem",
+             setup, strategy="ddp", timeout_s=10, init=f"file://{unwritable}/store")
+
+
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1] + ".lock", os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_SH)  # what a live worker of a running job holds
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_crashed_runs_file_is_told_from_a_live_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bytes on disk are joined while a live worker holds the lock, and refused once it is gone."""
+    path = tmp_path / "store"
+    crashed = _crashed_run_file(path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        store = file_store.open_store(str(path), 2)  # a peer joining a running job: not stale
+        store.set("joined", "1")
+        file_store.release(str(path))
+        del store
+        _refused(r"is in use by another running job \(it holds .*store.lock.\); give each job its own path", paratrain.launch, print,
+                 nproc=2, init=f"file://{path}")
+    finally:
+        holder.communicate("", timeout=30)  # the live worker goes away; the kernel drops its lock
+
+    _as_rank(monkeypatch, 0, 2)
+    fix = rf"left over from an earlier run \(\d+ bytes, last written .*\) that did not shut down cleanly.*rm {path}"
+    _refused(fix, paratrain.setup, strategy="ddp", timeout_s=10, init=f"file://{path}")
+    _refused(fix, paratrain.launch, print, nproc=2, init=f"file://{path}")
+    assert path.exists(), "a refused file is the user's to inspect and delete"
+    del crashed
+
+
+def test_a_script_that_never_closes_leaves_no_store_file(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    code = f"import paratrain; paratrain.setup(strategy='ddp', init='file://{path}').all_reduce(1.0)"
+    res = helpers.run_cmd([sys.executable, "-c", code], timeout=60)
+    assert res.returncode == 0, res.stdout
+    assert not path.exists()
+
+
+def test_launch_with_file_store_matches_one_process(tmp_path: Path) -> None:
+    reference = train_toy("single")
+    store = tmp_path / "store"
+    results = paratrain.launch(train_toy, "ddp", nproc=2, all_ranks=True, timeout=120, init=f"file://{store}")
+    assert [r["world"] for r in results] == [2, 2]
+    for r in results:
+        assert max_diff(r["weights"], reference["weights"]) < 1e-6
+        assert r["losses"] == pytest.approx(reference["losses"], abs=1e-6)
+    assert not store.exists(), "a finished run leaves no store file to be mistaken for a stale one"
+
+
+def test_paratrain_run_with_file_init(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    weights = tmp_path / "w.pt"
+    res = helpers.paratrain("run", "--nproc", "2", "--init", f"file://{store}", str(EXAMPLES / "toy.py"),
+                    "--save-weights", str(weights), timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert not store.exists()
+
+    single = tmp_path / "single.pt"
+    monkeypatch.setattr(sys, "argv", ["toy.py", "--strategy", "single", "--save-weights", str(single)])
+    runpy.run_path(str(EXAMPLES / "toy.py"), run_name="__main__")
+    assert max_diff(torch.load(weights), torch.load(single)) < 1e-6
+
+    crashed = _crashed_run_file(store)
+    res = helpers.paratrain("run", "--nproc", "2", "--init", f"file://{store}", str(EXAMPLES / "toy.py"), timeout=60)
+    assert res.returncode == 2, res.stdout[-3000:]
+    assert "left over from an earlier run" in res.stdout and f"rm {store}" in res.stdout
+    assert "Traceback" not in res.stdout
+    del crashed
+
+
+def test_store_paths() -> None:
+    assert file_store.path_of("file:///tmp/x") == "/tmp/x"
+    assert file_store.path_of("file://rel/x") == os.path.abspath("rel/x")
+    assert file_store.path_of("tcp://h:1") is None

@@ -1,0 +1,98 @@
+"""Strategy "mp" (one process, stages on several devices; all on "cpu" here) trains exactly like one process.
+
+Tolerance: float32 losses and weights agree to 1e-6 absolute over 3 SGD-momentum steps (see pipeline_cases).
+These run in the test process itself: "mp" needs no process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pipeline_cases import TOL, caught, reference, train, weight_error
+
+import paratrain
+from paratrain.config import Config
+from paratrain.parallel.mp_pipeline import MPPipeline, clock_cycles
+from paratrain.parallel.streams import Copier
+from paratrain.runtime import Placement
+from paratrain.strategies import get
+from paratrain.strategies.base import Context
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, object]:
+    return reference(steps=3, batch=10)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 5, 10])
+def test_mp_matches_single_process(microbatches: int, ref: dict) -> None:
+    out = train("mp", steps=3, batch=10, microbatches=microbatches, devices=["cuda:0", "cuda:1"])
+    assert out["losses"] == pytest.approx(ref["losses"], abs=TOL)
+    assert weight_error(out["weights"], ref["weights"]) < TOL
+    assert set(out["weights"]) == set(ref["weights"])  # one process holds every layer, original names
+    assert out["plan"]["microbatches"] == microbatches
+    assert sum(out["plan"]["balance"]) == 9 and len(out["plan"]["balance"]) == 2
+
+
+def test_mp_uneven_microbatches_three_stages(ref: dict) -> None:
+    """Batch 10 in 4 micro-batches (3, 3, 2, 2) over 3 stages: the loss is taken on the whole output."""
+    out = train("mp", steps=3, batch=10, microbatches=4, devices=["cpu"] * 3, balance=[2, 4, 3])
+    assert out["losses"] == pytest.approx(ref["losses"], abs=TOL)
+    assert weight_error(out["weights"], ref["weights"]) < TOL
+    assert out["plan"]["balance"] == [2, 4, 3]
+
+
+def test_mp_auto_microbatches_and_reports(ref: dict) -> None:
+    out = train("mp", steps=3, batch=10, microbatches="auto", devices=["cpu", "cpu"])
+    assert weight_error(out["weights"], ref["weights"]) < TOL  # trial steps left no trace
+    plan = out["plan"]
+    curve = plan["search"]["curve"]
+    assert plan["microbatches"] in (1, 2, 5, 10) and str(plan["microbatches"]) in curve
+    assert all(seconds > 0 for seconds in curve.values())
+    assert len(plan["layer_costs"]) == 9  # balance="time" measured every layer
+    rows = plan["memory"]
+    assert [r["stages"] for r in rows] == [[0], [1]]
+    assert sum(r["params_bytes"] for r in rows) == sum(v.numel() * 4 for v in ref["weights"].values())
+    assert all(r["peak_activation_bytes"] > 0 and r["activation_per_microbatch_bytes"] > 0 for r in rows)
+
+
+def test_mp_traced_model_matches() -> None:
+    """A model that is not an nn.Sequential is split by torch's tracing front end, names kept."""
+    want = reference(steps=3, batch=8, kind="traced")
+    out = train("mp", steps=3, batch=8, kind="traced", microbatches=2, balance="equal")
+    assert out["losses"] == pytest.approx(want["losses"], abs=TOL)
+    assert weight_error(out["weights"], want["weights"]) < TOL
+    assert set(out["weights"]) == set(want["weights"])
+
+
+def test_mp_grad_accum_and_bf16(ref: dict) -> None:
+    accum = train("mp", steps=3, batch=10, grad_accum=2, microbatches=2)
+    assert weight_error(accum["weights"], ref["weights"]) < TOL
+    bf16 = train("mp", steps=3, batch=10, microbatches=2, precision="bf16")
+    assert weight_error(bf16["weights"], ref["weights"]) < 5e-2
+
+
+def _ctx(strategy: str, world: int = 1, **options: object) -> Context:
+    return Context(config=Config(strategy=strategy, **options),  # type: ignore[arg-type]
+                   placement=Placement(world_size=world, local_world_size=world), device=torch.device("cpu"))
+
+
+def test_mp_rejects_bad_setups_with_the_fix() -> None:
+    mp = get("mp")
+    assert "ddp+mp" in caught(mp.check, _ctx("mp", world=2))
+    assert "3 entries but there are 2 stages" in caught(mp.check, _ctx("mp", balance=[1, 2, 3]))
+    assert "positive int or 'auto'" in caught(mp.check, _ctx("mp", microbatches=0))
+    run = paratrain.setup(strategy="mp", devices=["cpu"] * 12)
+    model = run.prepare(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    msg = caught(run.forward_backward, model, torch.randn(4, 2), torch.randn(4, 2), torch.nn.functional.mse_loss)
+    assert "2 layer(s) but 12 pipeline stages" in msg
+
+
+def test_clock_cycles_and_cpu_copies() -> None:
+    cycles = clock_cycles(3, 2)
+    assert cycles == [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
+    assert sum(len(c) for c in clock_cycles(5, 4)) == 20 and len(clock_cycles(5, 4)) == 8
+    x = torch.randn(3)
+    assert Copier([torch.device("cpu")]).to((x, {"k": x}), torch.device("cpu"))[0] is x
+    assert isinstance(paratrain.setup(strategy="mp").prepare(torch.nn.Sequential(torch.nn.Linear(1, 1))),
+                      MPPipeline)
