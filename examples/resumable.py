@@ -8,7 +8,7 @@ On SIGTERM (preemption) it saves at the next step boundary and stops; run it aga
 It also runs with a different number of workers than the run that saved (same global batch).
 
 Testing aids: `--ledger DIR` makes every rank append what each step trained on to DIR/rank-R.jsonl,
-and `--fault KIND:RANK@STEP,...` injects failures, each at most once per ledger directory:
+and `--fault KIND:RANK@STEP,...` (RANK * for any) injects failures, each at most once per ledger directory:
 kill (SIGKILL after the step), kill-node (SIGKILL the launcher, then this worker), kill-in-save (SIGKILL while writing the checkpoint of that step),
 hang (sleep forever before the next collective), term (SIGTERM to this worker) and term-launcher
 (SIGTERM to the launcher, as a scheduler's preemption does).
@@ -61,7 +61,7 @@ class Faults:
         for item in filter(None, spec.split(",")):
             kind, _, where = item.partition(":")
             who, _, step = where.partition("@")
-            self.events.append((kind, int(who), int(step)))
+            self.events.append((kind, -1 if who == "*" else int(who), int(step)))
         if self.events and not folder:
             raise SystemExit("--fault needs --ledger DIR (where it remembers which faults already fired)")
         self.folder, self.rank, self.ledger = Path(folder or "."), rank, ledger
@@ -70,7 +70,7 @@ class Faults:
     def _due(self, kind: str) -> bool:
         for i, (k, who, step) in enumerate(self.events):
             marker = self.folder / f"fault-{i}-{k}"
-            if k == kind and who == self.rank and step == self.step and not marker.exists():
+            if k == kind and who in (self.rank, -1) and step == self.step and not marker.exists():
                 marker.touch()
                 self.ledger.write(event="fault", kind=kind, step=step)
                 return True

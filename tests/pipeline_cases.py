@@ -78,6 +78,7 @@ def train(strategy: str, steps: int = 3, batch: int = 16, kind: str = "seq", gra
         x, y = x[replica * share : (replica + 1) * share], y[replica * share : (replica + 1) * share]
         micro = []
         for xs, ys in zip(x.chunk(grad_accum), y.chunk(grad_accum)):
+            xs, ys = xs.to(run.device), ys.to(run.device)
             micro.append(run.forward_backward(model, xs, ys, nn.functional.mse_loss).item())
         opt.step()
         opt.zero_grad()
@@ -92,10 +93,10 @@ def train(strategy: str, steps: int = 3, batch: int = 16, kind: str = "seq", gra
 
 
 def weight_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    """Largest difference over the weights this rank holds (all of them must exist in the reference)."""
-    assert got, "this rank holds no weights"
+    """Largest difference over the weights this rank holds (all of them must exist in the reference). A
+    stage may hold only stateless layers (an activation), so callers check coverage separately."""
     assert set(got) <= set(want), sorted(set(got) - set(want))
-    return max(float((got[k].float() - want[k].float()).abs().max()) for k in got)
+    return max((float((got[k].float() - want[k].float()).abs().max()) for k in got), default=0.0)
 
 
 def caught(fn: Any, *args: Any, **kwargs: Any) -> str:

@@ -213,12 +213,14 @@ def test_launch_from_a_script(tmp_path: Path) -> None:
 
 def test_launch_from_an_interactive_interpreter(tmp_path: Path) -> None:
     """A function typed at the `>>>` prompt has no source file and lives in `__main__`; it still reaches the
-    workers, and by default rank 0's result comes back."""
+    workers. It starts its process group the tutorials' way, with plain `init_process_group`, which works
+    inside launch too; by default rank 0's result comes back."""
     session = textwrap.dedent('''
         import paratrain
+        import torch.distributed as dist
         def who(x):
-            run = paratrain.setup(strategy="ddp")
-            return "rank", run.rank, "of", run.world_size, "says", x * x
+            dist.init_process_group("gloo")
+            return "rank", dist.get_rank(), "of", dist.get_world_size(), "says", x * x
 
         print("RESULT", paratrain.launch(who, 7, nproc=2, timeout=120))
     ''')
@@ -229,7 +231,7 @@ def test_launch_from_an_interactive_interpreter(tmp_path: Path) -> None:
     assert _workers_under(tmp_path) == []
 
 
-def test_nproc_beyond_the_gpus_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_launch_input_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spawn, "cuda_count", lambda: 2)
     with pytest.raises(ParatrainError, match=r"nproc=3 but only 2 GPU\(s\) are visible.*nproc<=2.*accelerator='cpu'"):
         paratrain.launch(print, nproc=3)
@@ -241,3 +243,6 @@ def test_nproc_beyond_the_gpus_is_refused_before_anything_starts(monkeypatch: py
     assert spawn._check_nproc(None, "auto") == 1
     with pytest.raises(ParatrainError, match="accelerator='cuda' but no CUDA GPU is visible"):
         paratrain.launch(print, accelerator="cuda")
+    lock = threading.Lock()
+    with pytest.raises(ParatrainError, match="cannot be sent to the workers .*lock.*create such objects inside"):
+        paratrain.launch(lambda: lock.locked(), nproc=2)

@@ -96,3 +96,15 @@ def test_clock_cycles_and_cpu_copies() -> None:
     assert Copier([torch.device("cpu")]).to((x, {"k": x}), torch.device("cpu"))[0] is x
     assert isinstance(paratrain.setup(strategy="mp").prepare(torch.nn.Sequential(torch.nn.Linear(1, 1))),
                       MPPipeline)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mp_on_cuda_matches_single_process() -> None:
+    """Stages on the visible GPUs (both on cuda:0 when there is one), pipelined, against one device."""
+    devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(2)]
+    single = train("single", steps=3, batch=12)
+    for microbatches in (1, 3, "auto"):
+        out = train("mp", steps=3, batch=12, microbatches=microbatches, devices=devices)
+        assert out["losses"] == pytest.approx(single["losses"], abs=1e-5)
+        assert weight_error(out["weights"], single["weights"]) < 1e-5

@@ -64,7 +64,7 @@ def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
         assert auto["microbatches"] in (2, 4, 8, 16) and str(auto["microbatches"]) in auto["search"]["curve"]
         mem = res["gpipe"]["plan"]["memory"]
         assert [m["in_flight_bound"] for m in mem] == [4, 4]  # GPipe keeps every micro-batch
-        assert [m["in_flight_bound"] for m in res["1f1b"]["plan"]["memory"]] <= [2, 2]  # 1F1B: at most K
+        assert all(m["in_flight_bound"] <= 2 for m in res["1f1b"]["plan"]["memory"])  # 1F1B: at most K
         assert all(m["peak_activation_bytes"] > 0 and m["params_bytes"] > 0 for m in mem)
         assert "batch 6 cannot be split into 4 micro-batches" in res["uneven"] and "microbatches=3" in res["uneven"]
         assert {"rank-0.pt", "rank-1.pt", "rng-0.pt", "rng-1.pt"} <= set(res["files"])

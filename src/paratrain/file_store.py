@@ -43,8 +43,13 @@ _JOIN_WAIT_S = 60.0
 
 
 def path_of(init: str) -> str | None:
-    """The store path of a `file://` init method, else None."""
-    return os.path.abspath(init[len("file://"):]) if init.startswith("file://") else None
+    """The store path of a `file://` init method, else None ("file:///f:/dir/x" is "f:/dir/x" on Windows)."""
+    if not init.startswith("file://"):
+        return None
+    path = init[len("file://"):]
+    if os.name == "nt" and path[:1] == "/" and path[2:3] == ":":
+        path = path[1:]
+    return os.path.abspath(path)
 
 
 def open_store(path: str, world_size: int) -> dist.Store:

@@ -127,7 +127,7 @@ def _store_for(placement: Placement, init: str | None, timeout: timedelta) -> di
     init = init or env_flag("INIT")
     if init is not None:
         if init.startswith("file://"):
-            return _file_store(init[len("file://") :], placement.world_size)
+            return _file_store(init, placement.world_size)
         if init.startswith("tcp://"):
             host, _, port = init[len("tcp://") :].rpartition(":")
             return _tcp_store(host, int(port), placement, timeout)
@@ -192,11 +192,11 @@ def _launcher_hosts_store(host: str, port: int) -> bool:
             and os.environ.get("MASTER_PORT") == str(port))
 
 
-def _file_store(path: str, world_size: int) -> dist.Store:
+def _file_store(init: str, world_size: int) -> dist.Store:
     """A stale file from a crashed run is told from live peers' by a lock; see `file_store`."""
     from . import file_store
 
-    return file_store.open_store(path, world_size)
+    return file_store.open_store(file_store.path_of(init) or init, world_size)
 
 
 def init_process_group(

@@ -114,13 +114,16 @@ def _write(results: dict[str, Any], out: Path) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    lines = report.comparisons(results["runs"])
-    (out / "table.md").write_text(report.markdown(results["runs"]) + "\n\n" + "".join(f"- {c}\n" for c in lines))
+    lines, best = report.comparisons(results["runs"]), report.summary(results["runs"])
+    (out / "table.md").write_text(report.markdown(results["runs"]) + "\n\n" + "".join(f"- {c}\n" for c in best))
     written = plots.write_all(results, out)
     print("\n" + report.table(results["runs"]))
     if lines:
         print("\nparatrain / hand-written PyTorch (median step time, alternated A B A B):")
         print("\n".join(f"  {c}" for c in lines))
+    if best:
+        print("\nbest of each strategy:")
+        print("\n".join(f"  {c}" for c in best))
     print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}" + "".join(f", {p}" for p in written))
     failed = [r for r in results["runs"] if r["status"] == "failed"]
     if failed:

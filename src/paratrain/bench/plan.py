@@ -16,6 +16,9 @@ from ..errors import ParatrainError, unknown_name
 STRATEGIES = ("single", "dp", "ddp", "mp", "pp", "ddp+pp")
 REFERENCE = {"ddp": "torch-ddp", "mp": "torch-pipeline", "pp": "torch-pipelining"}
 """The hand-written PyTorch each paratrain strategy is compared with, on the same workers."""
+CEILING = "no-comm"
+"""Each worker trains a private copy on its share with no gradient exchange: the fastest any data-parallel
+strategy can be on this machine (it exposes shared cores, memory bandwidth and SMT siblings)."""
 PIPELINED = ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
 AUTO_MICROBATCHES = (1, 2, 4, 8)
 REFERENCE_SCHEDULES = ("gpipe", "1f1b")
@@ -195,7 +198,8 @@ class _Builder:
                 self.skip(spec, f"global batch {s.batch} cannot be split over {w} workers ({s.batch} % {w} = "
                                 f"{s.batch % w}); use --batch-size {s.batch // w * w or w}")
             elif self.gpu_limit(spec, w):
-                self.job(w, self.with_reference(spec), f"ddp vs torch-ddp, {w} workers")
+                ceiling = [Spec(CEILING, w)] if self.references else []
+                self.job(w, self.with_reference(spec) + ceiling, f"ddp vs torch-ddp, {w} workers")
         elif strategy == "pp":
             if w < 2:
                 self.skip(Spec("pp", w), "pp needs at least 2 workers (one per stage); use --workers 2")

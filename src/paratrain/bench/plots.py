@@ -14,11 +14,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .plan import PIPELINED  # noqa: E402
+from .plan import CEILING, PIPELINED  # noqa: E402
 from .schema import quantile  # noqa: E402
 
 Run = dict[str, Any]
-PARATRAIN_COLOR, TORCH_COLOR = "tab:blue", "tab:orange"
+PARATRAIN_COLOR, TORCH_COLOR, CEILING_COLOR = "tab:blue", "tab:orange", "tab:gray"
 
 
 def _ok(runs: list[Run]) -> list[Run]:
@@ -41,8 +41,12 @@ def best_per_configuration(runs: list[Run]) -> list[Run]:
     return list(best.values())
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' if n > 1 else ''}"
+
+
 def _label(r: Run) -> str:
-    text = f"{r['strategy']}\n{r['workers']} worker{'s' if r['workers'] > 1 else ''}"
+    text = f"{r['strategy']}\n{_workers(r['workers'])}"
     return text + (f"\nM={r['microbatches']}" if r["microbatches"] is not None else "")
 
 
@@ -53,7 +57,8 @@ def _title(results: dict[str, Any]) -> str:
 def bar_chart(results: dict[str, Any], path: Path) -> Path:
     runs = best_per_configuration(results["runs"])
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
-    colors = [TORCH_COLOR if r["strategy"].startswith("torch-") else PARATRAIN_COLOR for r in runs]
+    colors = [TORCH_COLOR if r["strategy"].startswith("torch-") else
+              CEILING_COLOR if r["strategy"] == CEILING else PARATRAIN_COLOR for r in runs]
     bars = ax.bar(range(len(runs)), [r["median_step_s"] for r in runs], yerr=_iqr_bars(runs), align="center",
                   alpha=0.6, ecolor="red", capsize=8, width=0.6, color=colors)
     for bar, r in zip(bars, runs):
@@ -64,7 +69,8 @@ def bar_chart(results: dict[str, Any], path: Path) -> Path:
     ax.set_xticks(range(len(runs)))
     ax.set_xticklabels([_label(r) for r in runs], fontsize=8)
     ax.yaxis.grid(True)
-    ax.set_title(f"{_title(results)} (blue: paratrain, orange: hand-written PyTorch)", fontsize=9)
+    ax.set_title(f"{_title(results)}\nblue: paratrain, orange: hand-written PyTorch, gray: no-communication "
+                 "ceiling", fontsize=9)
     return _save(fig, path)
 
 
@@ -81,7 +87,7 @@ def microbatch_curve(results: dict[str, Any], path: Path) -> Path | None:
         group.sort(key=lambda r: r["microbatches"])
         style = "--" if strategy.startswith("torch-") else "-"
         ax.errorbar([r["microbatches"] for r in group], [r["median_step_s"] for r in group],
-                    yerr=_iqr_bars(group), fmt="o" + style, capsize=4, label=f"{strategy}, {workers} workers")
+                    yerr=_iqr_bars(group), fmt="o" + style, capsize=4, label=f"{strategy}, {_workers(workers)}")
     single = next((r for r in _ok(results["runs"]) if r["strategy"] == "single"), None)
     if single is not None:
         ax.axhline(single["median_step_s"], color="gray", linestyle=":", label="single, 1 worker")
@@ -112,7 +118,7 @@ def scaling(results: dict[str, Any], path: Path) -> Path | None:
     ax.plot([1, top], [1, top], color="gray", linestyle=":", label="ideal")
     for strategy in sorted({r["strategy"] for r in runs} - {"single", "mp", "torch-pipeline"}):
         group = sorted((r for r in runs if r["strategy"] == strategy), key=lambda r: r["workers"])
-        style = "--" if strategy.startswith("torch-") else "-"
+        style = "--" if strategy.startswith("torch-") else ":" if strategy == CEILING else "-"
         ax.plot([1] + [r["workers"] for r in group], [1.0] + [r["speedup_vs_single"] for r in group],
                 "o" + style, label=strategy)
     ax.set_xlabel("workers")

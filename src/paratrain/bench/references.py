@@ -6,6 +6,8 @@
   next chunk overlapping stage 2's current one), for any model cut in two, in one process.
 - `torch-pipelining`: `torch.distributed.pipelining` used directly: one `PipelineStage` per rank and
   `ScheduleGPipe` / `Schedule1F1B`.
+- `no-comm`: not a strategy but the machine's ceiling: the torch-ddp loop without DDP, so each worker
+  computes its share and nothing is exchanged.
 
 Nothing here imports paratrain's training API: it is the code a user would write without it.
 """
@@ -92,6 +94,17 @@ def torch_ddp(spec: Spec, workload: Workload, data: Batch, settings: Settings, d
     return _loop(ddp_model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
 
 
+def no_comm(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
+    """torch-ddp without DDP: each rank's share of the work and none of the communication."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(workload, settings).to(device)
+    share = settings.batch // world
+    inputs = _inputs(data[0][rank * share:(rank + 1) * share], device, settings)
+    labels = data[1][rank * share:(rank + 1) * share].to(device)
+    optimizer = optim.SGD(model.parameters(), lr=workload.lr)
+    return _loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
+
+
 class PipelineParallel(nn.Module):
     """The tutorials' `PipelineParallelResNet50.forward`, with their `seq1`/`seq2` given."""
 
@@ -171,4 +184,5 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
 
 BUILDERS: dict[str, Callable[[Spec, Workload, Batch, Settings, torch.device], Step]] = {
     "torch-ddp": torch_ddp, "torch-pipeline": torch_pipeline, "torch-pipelining": torch_pipelining,
+    "no-comm": no_comm,
 }

@@ -25,6 +25,9 @@ COLUMNS: list[tuple[str, int, Callable[[Run], str]]] = [
 ]
 
 
+_NOT_PARATRAIN = ("torch-ddp", "torch-pipeline", "torch-pipelining", "no-comm")
+
+
 def _opt(value: Any) -> str:
     return "-" if value is None else str(value)
 
@@ -59,6 +62,32 @@ def comparisons(runs: list[Run]) -> list[str]:
                 verdict = "faster than hand-written"
             out.append(f"{r['strategy']} on {r['workers']} worker(s){m}: {r['vs_reference']:.3f} x "
                        f"{r['reference']} ({verdict})")
+    return out
+
+
+def summary(runs: list[Run]) -> list[str]:
+    """The fastest configuration of each paratrain strategy and worker count, against its bound, the
+    no-communication ceiling and its hand-written twin."""
+    best: dict[tuple[str, int], Run] = {}
+    for r in runs:
+        if r["status"] == "ok" and r["speedup_vs_single"] is not None and r["strategy"] not in _NOT_PARATRAIN:
+            key = (r["strategy"], r["workers"])
+            if key not in best or r["median_step_s"] < best[key]["median_step_s"]:
+                best[key] = r
+    ceilings = {r["workers"]: r["speedup_vs_single"] for r in runs
+                if r["strategy"] == "no-comm" and r["speedup_vs_single"] is not None}
+    out = []
+    for (strategy, workers), r in best.items():
+        if strategy == "single":
+            continue
+        m = f", M={r['microbatches']}" if r["microbatches"] is not None else ""
+        line = (f"{strategy} on {workers} worker(s){m}: {r['speedup_vs_single']:.2f}x single, "
+                f"{r['speedup_vs_single'] / r['bound']:.0%} of its bound {r['bound']:.2f}x")
+        if workers in ceilings:
+            line += f"; no-communication ceiling here {ceilings[workers]:.2f}x"
+        if r["vs_reference"] is not None:
+            line += f"; {r['vs_reference']:.3f} x {r['reference']}"
+        out.append(line)
     return out
 
 

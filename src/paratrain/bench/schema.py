@@ -8,7 +8,8 @@
                "samples_per_s", "speedup_vs_single", "scaling_efficiency", "bound", "peak_memory_mb",
                "reference", "vs_reference", "status", "reason"}, ...]}
 
-`microbatches` is null unless pipelined, `schedule` null unless `pp`-like; derived numbers are null
+`no-comm` (beside ddp) is the ceiling of data parallelism here: every worker computing its share with
+no communication. `microbatches` is null unless pipelined, `schedule` null unless `pp`-like; derived numbers are null
 unless the run is `ok`; `reason` is null exactly when it is `ok`.
 """
 
@@ -28,7 +29,8 @@ from .plan import REFERENCE, Spec, describe
 
 SCHEMA = "paratrain-bench/1"
 STATUSES = ("ok", "not-applicable", "failed")
-STRATEGIES = ("single", "dp", "ddp", "mp", "pp", "ddp+pp", "torch-ddp", "torch-pipeline", "torch-pipelining")
+STRATEGIES = ("single", "dp", "ddp", "mp", "pp", "ddp+pp", "torch-ddp", "torch-pipeline", "torch-pipelining",
+              "no-comm")
 RUN_KEYS = ("strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
             "samples_per_s", "speedup_vs_single", "scaling_efficiency", "bound", "peak_memory_mb", "reference",
             "vs_reference", "status", "reason")
@@ -101,7 +103,8 @@ def machine() -> dict[str, Any]:
         pass
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = [torch.cuda.get_device_name(i) for i in range(count)]
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "torch": torch.__version__,
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": usable, "cores_total": os.cpu_count(), "gpus": gpus, "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
 
 

@@ -26,7 +26,7 @@ from . import references, workloads
 from .plan import Job, Settings, Spec
 from .workloads import Batch, Workload
 
-_GROUP_STRATEGIES = ("ddp", "pp", "ddp+pp", "torch-ddp", "torch-pipelining")
+_GROUP_STRATEGIES = ("ddp", "pp", "ddp+pp", "torch-ddp", "torch-pipelining", "no-comm")
 
 
 @dataclass
@@ -174,10 +174,13 @@ def _build(spec: Spec, workload: Workload, data: Batch, settings: Settings,
 
 
 def _guarded(side: _Side, action: Callable[[], Any]) -> Any:
+    """Run one build or block; a failure is printed with its traceback (any rank) and agreed on."""
     try:
         result = action()
     except Exception as exc:
         side.reason, side.step, result = _reason(exc), None, None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(f"      {side.spec.label} failed on rank {rank}:\n{traceback.format_exc()}", flush=True)
     _agree(side)
     return result
 
@@ -193,8 +196,6 @@ def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
     sides = [_Side(spec) for spec in job.specs]
     for side in sides:
         side.step = _guarded(side, functools.partial(_build, side.spec, workload, data, settings, device))
-        if side.reason:
-            say(f"      {side.spec.label}: failed: {side.reason}")
     for side in sides:
         if side.step is not None and settings.warmup:
             _guarded(side, functools.partial(_block, side, settings.warmup, device))

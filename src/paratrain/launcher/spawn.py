@@ -76,11 +76,16 @@ def launch(
     store_path = file_store.path_of(init) if init else None
     if store_path:
         file_store.preflight(store_path, expect_idle=True)
-    workdir = Path(tempfile.mkdtemp(prefix="paratrain-launch-"))
-    (workdir / "payload.pkl").write_bytes(cloudpickle.dumps((fn, args, kwargs, all_ranks)))
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs, all_ranks))
+    except Exception as exc:
+        raise ParatrainError(f"paratrain.launch: the function or its arguments cannot be sent to the workers "
+                             f"({type(exc).__name__}: {exc}); create such objects inside the function") from exc
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    workdir = Path(tempfile.mkdtemp(prefix="paratrain-launch-"))
     workers: list[_procs.Worker] = []
     try:
+        (workdir / "payload.pkl").write_bytes(payload)
         base = _worker_env(nproc, store.port, init, accelerator, threads_per_worker, env)
         for rank in range(nproc):
             argv = [sys.executable, "-m", "paratrain.launcher._worker", str(workdir), str(rank)]
@@ -101,7 +106,7 @@ def _worker_env(nproc: int, port: int, init: str | None, accelerator: str, threa
                 extra: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "PARATRAIN_INIT"))}
     # Modules importable here (the notebook's folder, a script's siblings) stay importable in the workers.
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, env.get("PYTHONPATH", "")] if p)
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
                 "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "PARATRAIN_LAUNCHER": "launch",
                 "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1",

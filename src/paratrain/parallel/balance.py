@@ -51,7 +51,9 @@ def _float_tensors(value: Any) -> list[torch.Tensor]:
 def _detached(value: Any, device: torch.device | None) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.detach().to(device) if device is not None else value.detach()
-        return value.requires_grad_(value.is_floating_point())
+        if not value.is_floating_point():
+            return value
+        return value.requires_grad_().clone()  # not a leaf: a layer may work in place (ReLU(inplace=True))
     if isinstance(value, list | tuple):
         return type(value)(_detached(v, device) for v in value)
     return value

@@ -41,6 +41,10 @@ class Stage(nn.Module):
         return self
 
     def forward(self, *args: Any) -> Any:
+        # A received activation is a leaf that requires grad; an in-place first layer (ReLU(inplace=True))
+        # may not modify a leaf, but may modify a copy, and gradients flow through the copy unchanged.
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+                     for a in args)
         out = self._chain[0](*args)
         for module in self._chain[1:]:
             out = module(out)
@@ -93,6 +97,9 @@ def _trace(model: nn.Module, example: tuple[Any, ...]) -> list[Layer]:
             "Express the model as an nn.Sequential of its layers"
         )
     spec = {name: SplitPoint.BEGINNING for name in names[1:]}
+    where = next((p.device for p in model.parameters()), None)
+    if where is not None:  # trace where the weights are (stages are placed on their devices afterwards)
+        example = tuple(x.to(where) if isinstance(x, torch.Tensor) else x for x in example)
     try:
         pipe = pipeline(model, mb_args=example, split_spec=spec)
     except Exception as exc:

@@ -236,17 +236,29 @@ class PipelineModule(nn.Module):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
+    def candidates(self, batch: int) -> list[int]:
+        """Micro-batch counts this schedule accepts for `batch` (equal micro-batches only)."""
+        ok = []
+        for m in divisors(batch):
+            if self.schedule_name == "1f1b" and m < self.num_stages:
+                continue
+            if self.schedule_name not in ("gpipe", "1f1b") and m % max(1, m // self.pp):
+                continue  # interleaved and zero-bubble schedules run whole rounds of pp micro-batches
+            ok.append(m)
+        return ok
+
+    def measure(self, inputs: Any, targets: Any, microbatches: int, repeats: int = 3) -> float:
+        """Seconds per step with `microbatches`, the slowest rank's median (collective; call inside
+        `trial.no_trace` to keep the gradients a trial step makes out of training)."""
+        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        seconds = median_time(lambda: self._run(inputs, targets, microbatches), repeats=repeats, warmup=1,
+                              devices=[self.device])
+        return _max_over_world(seconds, self.device)
+
     def _tune(self, inputs: Any, targets: Any, batch: int) -> Search:
-        cls = _schedule_class(self.schedule_name, self.per_worker)
-        candidates = [m for m in divisors(batch) if self._accepts(cls, m)]
-
-        def measure(m: int) -> float:
-            seconds = median_time(lambda: self._run(inputs, targets, m), repeats=3, warmup=1,
-                                  devices=[self.device])
-            return _max_over_world(seconds, self.device)
-
+        candidates = self.candidates(batch)
         with no_trace(self.local):
-            found = search(measure, candidates, self.num_stages)
+            found = search(lambda m: self.measure(inputs, targets, m), candidates, self.num_stages)
         self.microbatches = found.best
         self.plan.microbatches = found.best
         self.plan.search = found
@@ -255,14 +267,6 @@ class PipelineModule(nn.Module):
                        f"{len(candidates)} counts in {found.seconds:.2f}s: "
                        + ", ".join(f"{m}: {t * 1e3:.1f}ms" for m, t in found.curve.items()) + ")")
         return found
-
-    def _accepts(self, cls: type, microbatches: int) -> bool:
-        if self.schedule_name == "1f1b" and microbatches < self.num_stages:
-            return False
-        if self.schedule_name in ("gpipe", "1f1b"):
-            return True
-        rounds = max(1, microbatches // self.pp)
-        return microbatches % rounds == 0
 
     def _measure_memory(self, inputs: Any, targets: Any) -> torch.Tensor | None:
         """The first real step, watched: per-stage activations of one micro-batch and the step's peak."""
