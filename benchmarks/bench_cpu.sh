@@ -2,7 +2,7 @@
 # The CPU-worker benchmark quoted in docs/benchmarks.md: single, ddp and pp on 2 one-thread workers,
 # with the hand-written PyTorch references, on the compute-bound `mlp` workload.
 # On a machine with more than 2 cores it pins the run to two physical cores, so it is the 2-core run.
-# Usage: bash benchmarks/bench_cpu.sh OUTDIR [extra paratrain bench flags]
+# Usage: [CORES=a,b] bash benchmarks/bench_cpu.sh OUTDIR [extra paratrain bench flags]
 set -eu
 out=${1:-results/bench-cpu}
 shift || true
@@ -10,7 +10,10 @@ py=${PYTHON:-.venv/bin/python}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export CUDA_VISIBLE_DEVICES=""  # CPU workers even where GPUs exist
 pin=()
-if [ "$(nproc)" -gt 2 ] && command -v taskset >/dev/null; then
+if [ -n "${CORES:-}" ]; then
+  pin=(taskset -c "$CORES")  # e.g. CORES=0,8 to choose the two cores yourself
+  echo "pinned to CPUs $CORES"
+elif [ "$(nproc)" -gt 2 ] && command -v taskset >/dev/null; then
   cores=$($py - <<'PY'
 import glob, re
 seen, cpus = set(), []

@@ -36,6 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL_SPEEDUP = 1.49  # pipelined ResNet-50 on 2 GPUs against one GPU (3.75 s -> 2.51 s)
 
 
+def launch(fn: Any, *args: Any, nproc: int) -> Any:
+    """CPU workers with one thread each, even where GPUs are visible."""
+    return paratrain.launch(fn, *args, nproc=nproc, timeout=600, accelerator="cpu", threads_per_worker=1,
+                            prefix_output=False)
+
+
 def deep_mlp(width: int, depth: int) -> nn.Sequential:
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -76,7 +82,7 @@ def _train_configs(spec: dict[str, Any], configs: list[dict[str, Any]]) -> list[
     torch.set_num_threads(1)
     out = []
     for options in configs:
-        run = paratrain.setup(seed=0, **options)
+        run = paratrain.setup(seed=0, accelerator="cpu", **options)
         model = deep_mlp(spec["width"], spec["depth"])
         model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
         x, y = _data(spec["batch"], spec["width"])
@@ -94,12 +100,11 @@ def scaling(spec: dict[str, Any], rounds: int, stage_counts: list[int], microbat
     single: list[float] = []
     piped: dict[tuple[int, str, int], list[float]] = {}
     for r in range(rounds):
-        single += paratrain.launch(_train_configs, spec, [{"strategy": "single"}], nproc=1, timeout=600,
-                                   prefix_output=False)[0]
+        single += launch(_train_configs, spec, [{"strategy": "single"}], nproc=1)[0]
         for k in stage_counts:
             configs = [{"strategy": "pp", "schedule": s, "microbatches": m, "balance": "equal"}
                        for s in schedules[k] for m in microbatches]
-            times = paratrain.launch(_train_configs, spec, configs, nproc=k, timeout=600, prefix_output=False)
+            times = launch(_train_configs, spec, configs, nproc=k)
             for c, t in zip(configs, times):
                 piped.setdefault((k, c["schedule"], c["microbatches"]), []).extend(t)
         print(f"  round {r + 1}/{rounds}: single {_median(single) * 1e3:.0f} ms/step", flush=True)
@@ -124,7 +129,8 @@ def _search_vs_sweep(spec: dict[str, Any], rounds: int) -> dict[str, Any]:
     from paratrain.parallel.trial import no_trace
 
     torch.set_num_threads(1)
-    run = paratrain.setup(strategy="pp", schedule="1f1b", microbatches=2, balance="equal", seed=0)
+    run = paratrain.setup(strategy="pp", schedule="1f1b", microbatches=2, balance="equal", seed=0,
+                          accelerator="cpu")
     model = run.prepare(deep_mlp(spec["width"], spec["depth"]))
     x, y = _data(spec["batch"], spec["width"])
     run.forward_backward(model, x, y, nn.functional.mse_loss)  # split the model, warm up
@@ -139,7 +145,7 @@ def _search_vs_sweep(spec: dict[str, Any], rounds: int) -> dict[str, Any]:
 
 
 def auto_microbatches(spec: dict[str, Any], rounds: int) -> dict[str, Any]:
-    res = paratrain.launch(_search_vs_sweep, spec, rounds, nproc=2, timeout=600, prefix_output=False)
+    res = launch(_search_vs_sweep, spec, rounds, nproc=2)
     summary = []
     for r in res["rounds"]:
         full, short = r["sweep"], r["search"]
@@ -164,7 +170,8 @@ def _balances(spec: dict[str, Any]) -> dict[str, Any]:
     x, y = _data(spec["batch"], spec["wide"])
     sides: dict[str, Any] = {}
     for mode in ("time", "equal"):
-        run = paratrain.setup(strategy="pp", schedule="1f1b", microbatches=spec["microbatches"], balance=mode, seed=0)
+        run = paratrain.setup(strategy="pp", schedule="1f1b", microbatches=spec["microbatches"], balance=mode,
+                              seed=0, accelerator="cpu")
         model = unequal_mlp(spec["wide"], spec["narrow"])
         model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
         run.forward_backward(model, x, y, nn.functional.mse_loss)  # split (measuring for "time")
@@ -187,7 +194,7 @@ def _balances(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def auto_balance(spec: dict[str, Any]) -> dict[str, Any]:
-    res = paratrain.launch(_balances, spec, nproc=2, timeout=600, prefix_output=False)
+    res = launch(_balances, spec, nproc=2)
     res["max_stage_gain"] = res["equal"]["max_stage_ms"] / res["time"]["max_stage_ms"]
     res["step_speedup"] = res["equal"]["step_s"] / res["time"]["step_s"]
     return res
@@ -260,8 +267,8 @@ def main() -> None:
                                 "within_10pct_of_bound": best["ratio_to_bound"] >= 0.9}
     cores = result["machine"]["cores"] or 1
     result["four_stage_note"] = (
-        "4 workers on %d core(s): efficiency is capped at %.2f by the cores, not the schedule" % (cores, min(1, cores / 4))
-        if cores < 4 else "4 workers on %d cores" % cores)
+        f"4 workers on {cores} core(s): efficiency is capped at {min(1, cores / 4):.2f} by the cores, not the schedule"
+        if cores < 4 else f"4 workers on {cores} cores")
     print("auto micro-batches: short search against a full sweep ...", flush=True)
     result["auto_microbatches"] = auto_microbatches({**spec, "steps": 0}, 1 if quick else 2)
     print("auto balance against the equal split ...", flush=True)

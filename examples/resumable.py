@@ -9,7 +9,8 @@ It also runs with a different number of workers than the run that saved (same gl
 
 Testing aids: `--ledger DIR` makes every rank append what each step trained on to DIR/rank-R.jsonl,
 and `--fault KIND:RANK@STEP,...` (RANK * for any) injects failures, each at most once per ledger directory:
-kill (SIGKILL after the step), kill-node (SIGKILL the launcher, then this worker), kill-in-save (SIGKILL while writing the checkpoint of that step),
+kill (SIGKILL after the step), kill-node (SIGKILL the launcher, then this worker), kill-in-save
+(SIGKILL while writing the checkpoint of that step),
 hang (sleep forever before the next collective), term (SIGTERM to this worker) and term-launcher
 (SIGTERM to the launcher, as a scheduler's preemption does).
 """
@@ -104,10 +105,11 @@ class Faults:
         pass
 
 
-def build(samples: int, dropout: float) -> tuple[TensorDataset, nn.Module]:
+def build(samples: int, dropout: float, hidden: int) -> tuple[TensorDataset, nn.Module]:
     g = torch.Generator().manual_seed(11)
-    data = TensorDataset(torch.arange(samples), torch.randn(samples, 8, generator=g), torch.randn(samples, 4, generator=g))
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4))
+    x, y = torch.randn(samples, 8, generator=g), torch.randn(samples, 4, generator=g)
+    data = TensorDataset(torch.arange(samples), x, y)
+    model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 4))
     return data, model
 
 
@@ -118,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=72)
     p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=32, help="width of the hidden layer (model and checkpoint size)")
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1,
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ledger = Ledger(args.ledger, run.rank, generation)
     faults = Faults(args.fault, args.ledger, run.rank, ledger)
 
-    data, model = build(args.samples, args.dropout)
+    data, model = build(args.samples, args.dropout, args.hidden)
     loader = run.prepare_loader(DataLoader(data, batch_size=run.per_worker_batch(args.global_batch), shuffle=True))
     model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)

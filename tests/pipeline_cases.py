@@ -32,9 +32,10 @@ class Flatten2(nn.Module):
 def make_model(kind: str = "seq") -> nn.Module:
     if kind == "traced":
         return Flatten2()
+    inplace = kind == "inplace"  # a stage may start with an in-place layer (it gets a leaf as input)
     return nn.Sequential(
-        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(),
-        nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4),
+        nn.Linear(8, 32), nn.ReLU(inplace=inplace), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32),
+        nn.ReLU(inplace=inplace), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4),
     )
 
 

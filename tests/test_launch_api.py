@@ -181,7 +181,8 @@ def test_launch_from_a_script(tmp_path: Path) -> None:
         assert failed["rank"] == 1
         assert "ValueError: rank 1 cannot go on" in failed["detail"]
         assert 'driver.py", line' in failed["detail"] and "in fails_on_rank_1" in failed["detail"]
-        assert failed["message"].startswith("worker rank 1 of 2 failed:")
+        assert failed["message"].startswith("worker rank 1 of 2 failed; all workers were stopped:\nTraceback")
+        assert failed["message"].endswith("ValueError: rank 1 cannot go on")  # the reason stays the last line
         assert failed["children"] == []
 
         timeout = out.report("timeout")

@@ -67,7 +67,8 @@ def test_resuming_on_another_world_size_trains_the_rest_of_the_epoch_exactly_onc
     flat = sum(done + rest, [])
     assert sorted(flat) == list(range(SAMPLES))  # none repeated, none skipped
     # the same global batches, in the same order, as an uninterrupted run (each split among new ranks)
-    assert [sorted(b) for b in done + rest] == [sorted(order[i:i + GLOBAL_BATCH]) for i in range(0, SAMPLES, GLOBAL_BATCH)]
+    uninterrupted = [sorted(order[i:i + GLOBAL_BATCH]) for i in range(0, SAMPLES, GLOBAL_BATCH)]
+    assert [sorted(b) for b in done + rest] == uninterrupted
     assert all(x.epoch == 1 and x.consumed == 0 for x in second)  # and the next epoch follows
 
 
@@ -165,7 +166,8 @@ def test_killed_three_times_ends_bit_identical_with_every_sample_once(tmp_path: 
     first = rng.randint(1, 7)
     in_save = rng.choice([8, 12])
     last = rng.randint(in_save + 1, STEPS - 1)
-    plan = f"kill:{rng.randint(0, 1)}@{first},kill-in-save:{rng.randint(0, 1)}@{in_save},kill:{rng.randint(0, 1)}@{last}"
+    ranks = [rng.randint(0, 1) for _ in range(3)]
+    plan = f"kill:{ranks[0]}@{first},kill-in-save:{ranks[1]}@{in_save},kill:{ranks[2]}@{last}"
 
     want = _run(tmp_path / "whole", 2, "--out", str(tmp_path / "whole.pt"))
     assert want.startswith("rc=0"), want[-3000:]

@@ -23,9 +23,10 @@ def test_torchrun_environment() -> None:
 
 def test_slurm_environment() -> None:
     p = read_placement({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                        "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "1", "SLURM_JOB_ID": "1234",
+                        "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1", "SLURM_JOB_ID": "1234",
                         "SLURM_JOB_NODELIST": "gpu[07-08]"})
     assert (p.rank, p.world_size, p.local_rank, p.master_addr, p.launcher) == (5, 8, 1, "gpu07", "slurm")
+    assert p.local_world_size == 4
     assert p.master_port == 10000 + 1234
 
 

@@ -8,6 +8,7 @@
 from .api import Run, setup
 from .data import ShardedLoader
 from .errors import CheckpointError, CollectiveTimeout, ParatrainError
+from .launcher.spawn import WorkerFailed
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,5 @@ def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
     return _launch(*args, **kwargs)
 
 
-__all__ = ["CheckpointError", "CollectiveTimeout", "ParatrainError", "Run", "ShardedLoader", "launch", "setup"]
+__all__ = ["CheckpointError", "CollectiveTimeout", "ParatrainError", "Run", "ShardedLoader", "WorkerFailed", "launch",
+           "setup"]

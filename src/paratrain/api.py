@@ -238,8 +238,10 @@ class Run:
 def setup(**kwargs: Any) -> Run:
     """Read the launch environment, start the process group the strategy needs, and return the `Run`."""
     config = make_config(kwargs)
-    strategy = strategies.get(config.strategy)
     placement = runtime.read_placement()
+    if config.strategy == "auto":
+        config.strategy = "ddp" if placement.world_size > 1 else "single"
+    strategy = strategies.get(config.strategy)
     device = runtime.pick_device(config.accelerator, placement.local_rank)
     ctx = Context(config=config, placement=placement, device=device)
     strategy.check(ctx)

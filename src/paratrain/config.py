@@ -13,8 +13,9 @@ _PRECISIONS = ("32", "bf16", "16")
 
 @dataclass(kw_only=True)
 class Config:
-    strategy: str = "single"
-    """Name from the strategy registry: single, dp, ddp, fsdp, mp, pp, ddp+pp, ddp+mp."""
+    strategy: str = "auto"
+    """Name from the strategy registry: single, dp, ddp, fsdp, mp, pp, ddp+pp, ddp+mp; "auto" is single
+    for one process and ddp for several."""
     precision: str = "32"
     """"32", "bf16" (autocast) or "16" (autocast with a GradScaler)."""
     accelerator: str = "auto"

@@ -39,8 +39,9 @@ class Placement:
 
 
 def _int(env: dict[str, str], key: str, default: int) -> int:
-    value = env.get(key)
-    return int(value) if value not in (None, "") else default
+    """Leading integer of a variable; Slurm writes repeated counts like "4(x2)"."""
+    match = re.match(r"\s*(\d+)", env.get(key) or "")
+    return int(match.group(1)) if match else default
 
 
 def first_slurm_host(nodelist: str) -> str:

@@ -119,8 +119,9 @@ def scaling(results: dict[str, Any], path: Path) -> Path | None:
     for strategy in sorted({r["strategy"] for r in runs} - {"single", "mp", "torch-pipeline"}):
         group = sorted((r for r in runs if r["strategy"] == strategy), key=lambda r: r["workers"])
         style = "--" if strategy.startswith("torch-") else ":" if strategy == CEILING else "-"
+        color = CEILING_COLOR if strategy == CEILING else None
         ax.plot([1] + [r["workers"] for r in group], [1.0] + [r["speedup_vs_single"] for r in group],
-                "o" + style, label=strategy)
+                "o" + style, label=strategy if strategy != CEILING else "no-comm (ceiling)", color=color)
     ax.set_xlabel("workers")
     ax.set_ylabel("speedup over single (1 worker)")
     ax.set_xticks(sorted(counts | {1}))

@@ -164,12 +164,14 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
     stage = PipelineStage(part, rank, stages, device)
     schedule_cls = Schedule1F1B if spec.schedule == "1f1b" else ScheduleGPipe
     schedule = schedule_cls(stage, spec.microbatches, loss_fn=workload.loss())
-    optimizer = optim.SGD(part.parameters(), lr=workload.lr)
+    params = list(part.parameters())
+    optimizer = optim.SGD(params, lr=workload.lr) if params else None  # a stage may be a lone ReLU
     inputs = _inputs(data[0], device, settings)
     labels = data[1].to(device)
 
     def step() -> None:
-        optimizer.zero_grad()
+        if optimizer is not None:
+            optimizer.zero_grad()
         if rank == 0:
             schedule.step(inputs)
         elif rank == stages - 1:
@@ -177,7 +179,8 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
             schedule.step(target=labels, losses=losses)
         else:
             schedule.step()
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
 
     return step
 

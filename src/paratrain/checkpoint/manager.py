@@ -101,7 +101,8 @@ def save(
         _torch_save(rng.capture(), tmp / f"rng-{rank}.pt")
 
     _everywhere(rank, write)  # doubles as the barrier: every file is on disk before rank 0 publishes
-    info: dict[str, object] = {"world_size": world_size, "sharded": sharded_state, "layout": "dcp" if sharded_state else "torch"}
+    info: dict[str, object] = {"world_size": world_size, "sharded": sharded_state,
+                               "layout": "dcp" if sharded_state else "torch"}
 
     def publish() -> str:
         final = store.publish(root, tmp, step, info)

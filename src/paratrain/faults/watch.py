@@ -106,10 +106,7 @@ class Watch:
         except Exception as exc:
             if isinstance(exc, CollectiveTimeout) or not diagnose.is_comm_failure(exc):
                 raise
-            missing, text = self.diagnose(exc)
-            err = CollectiveTimeout(text)
-            err.missing = missing  # type: ignore[attr-defined]
-            raise err from exc
+            raise CollectiveTimeout(self.diagnose(exc)) from exc
         finally:
             self.op = ""
 
@@ -124,7 +121,7 @@ class Watch:
                 beats[peer] = None
         return beats
 
-    def diagnose(self, exc: BaseException) -> tuple[list[int], str]:
+    def diagnose(self, exc: BaseException) -> str:
         """Read every heartbeat (waiting briefly for peers whose last one predates this collective)."""
         waited = time.time() - self._since
         deadline = time.monotonic() + min(2 * self.interval, 1.0)
@@ -136,7 +133,7 @@ class Watch:
             time.sleep(self.interval / 4)
             beats = self.read()
         here = diagnose.where(sys._getframe())
-        return diagnose.report(self.rank, self.op, self.seq, beats, exc, waited, self.silent_after, here)
+        return diagnose.report(self.rank, self.op, self.seq, beats, exc, waited, self.silent_after, here)[1]
 
 
 INACTIVE = Watch(None, 0, 1, 600.0)

@@ -82,7 +82,10 @@ def stop(workers: list[Worker], grace: float = 3.0) -> None:
                 worker.proc.stdin.close()
         _signal(workers, signal.SIGKILL, everyone=True)
         for worker in workers:
-            worker.proc.wait()
+            try:
+                worker.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (a hung filesystem): nothing more to do
+                pass
         for worker in workers:
             for pump in worker.pumps:
                 pump.join(timeout=2)

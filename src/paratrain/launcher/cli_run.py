@@ -16,7 +16,6 @@ from ..errors import ParatrainError
 from ..runtime import cuda_count
 from .checks import LaunchSpec, check
 
-
 _LAST_CALL_S = 3
 """Seconds an elastic rendezvous waits for more nodes once --nnodes MIN have joined."""
 

@@ -35,8 +35,9 @@ class WorkerFailed(ParatrainError):
 
     def __init__(self, rank: int, nproc: int, detail: str, error: BaseException | None = None,
                  others: dict[int, str] | None = None) -> None:
-        also = f"\n(then rank(s) {sorted(others)} failed too; all workers were stopped)" if others else ""
-        super().__init__(f"worker rank {rank} of {nproc} failed:\n{detail.rstrip()}{also}")
+        also = f" (then rank(s) {sorted(others)} too)" if others else ""
+        # The worker's own exception stays the last line: callers quote it as the reason.
+        super().__init__(f"worker rank {rank} of {nproc} failed{also}; all workers were stopped:\n{detail.rstrip()}")
         self.rank = rank
         self.detail = detail
         self.error = error

@@ -111,6 +111,9 @@ def _trace(model: nn.Module, example: tuple[Any, ...]) -> list[Layer]:
     layers = []
     for i in range(pipe.num_stages):
         module = pipe.get_stage_module(i)
+        for part in module.modules():  # run the generated code, not torch.fx's node-by-node interpreter
+            if getattr(part, "_run_with_interpreter", False):
+                part._run_with_interpreter = False
         children = [n for n, _ in module.named_children()]
         layers.append((",".join(children) or f"part{i}", module))
     return layers
