@@ -74,7 +74,7 @@ def test_plan_details_batch_splits_schedules_and_missing_strategies() -> None:
     assert [s.strategy for s in missing.jobs[-1].specs] == ["torch-pipelining"]  # the reference still runs
     gpu = _plan("dp,ddp,pp", [2], micro="2", gpus=1)
     assert "one worker per GPU" in _skipped(gpu)[("ddp", 2, None)][1]
-    assert gpu.jobs[0].specs[0] == plan.Spec("dp", 1)
+    assert [job.specs[0] for job in gpu.jobs] == [plan.Spec("single", 1), plan.Spec("dp", 1)]  # single: baseline
 
 
 def test_bad_flags_fail_fast_naming_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
@@ -214,7 +214,7 @@ def test_a_failing_model_is_reported_failed_with_its_error(tmp_path: Path) -> No
     assert proc.returncode == 1, proc.stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
-    assert {r["strategy"] for r in results["runs"]} == {"ddp", "torch-ddp", "no-comm"}
+    assert {r["strategy"] for r in results["runs"]} == {"single", "ddp", "torch-ddp", "no-comm"}
     for run in results["runs"]:
         assert run["status"] == "failed" and "this model cannot run forward" in run["reason"], run
     assert "configuration(s) failed" in proc.stdout

@@ -75,13 +75,14 @@ class Plan:
 
 
 def parse_strategies(text: str) -> list[str]:
+    """The requested strategies in a fixed order, with `single` always first: every speedup is over it."""
     names = [s.strip() for s in text.split(",") if s.strip()]
     for name in names:
         if name not in STRATEGIES:
             raise unknown_name("strategy for bench", name, STRATEGIES)
     if not names:
         raise ParatrainError(f"--strategies is empty; give some of {','.join(STRATEGIES)}")
-    return sorted(set(names), key=STRATEGIES.index)
+    return sorted({"single", *names}, key=STRATEGIES.index)
 
 
 def parse_counts(text: str, flag: str) -> list[int]:
@@ -220,7 +221,7 @@ class _Builder:
 
 def build(strategies: list[str], workers: list[int], microbatches: list[int] | None, settings: Settings,
           available: set[str], references: bool = True) -> Plan:
-    """Jobs in a fixed order, `single` first: it is the baseline every speedup is taken against."""
+    """One job per strategy and worker count, in the order given (`parse_strategies` puts single first)."""
     builder = _Builder(settings, microbatches, available, references)
     for strategy in strategies:
         builder.add(strategy, workers)

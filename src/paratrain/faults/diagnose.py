@@ -117,8 +117,11 @@ def exited(beat: Beat) -> bool:
     return False
 
 
-def describe(beat: Beat | None, op: str, seq: int, silent_after: float, now: float | None = None) -> tuple[bool, str]:
+def describe(beat: Beat | None, op: str, seq: int, silent_after: float, now: float | None = None,
+             store_gone: bool = False) -> tuple[bool, str]:
     """(arrived, one line about this peer) relative to collective `op` number `seq`."""
+    if beat is None and store_gone:
+        return False, "unknown: the job's store went away with rank 0"
     if beat is None:
         return False, "no heartbeat ever published (it never reached setup(), or cannot reach the store)"
     now = time.time() if now is None else now
@@ -126,7 +129,7 @@ def describe(beat: Beat | None, op: str, seq: int, silent_after: float, now: flo
     age = now - beat.time
     if exited(beat):
         doing = f"in {beat.op} #{beat.seq}" if beat.op else f"after collective #{beat.seq}"
-        return False, f"its process (pid {beat.pid}) has exited; {age:.1f} s before, it was {doing} {at}"
+        return False, f"its process (pid {beat.pid}) has exited (its last heartbeat, {age:.1f} s ago: {doing} {at})"
     if age > silent_after:
         return False, f"no heartbeat for {age:.1f} s (dead, or stuck outside Python); last {at}"
     if beat.op == op and beat.seq == seq:
@@ -140,14 +143,14 @@ def describe(beat: Beat | None, op: str, seq: int, silent_after: float, now: flo
 
 
 def report(rank: int, op: str, seq: int, beats: dict[int, Beat | None], cause: BaseException, waited: float,
-           silent_after: float, here: str) -> tuple[list[int], str]:
+           silent_after: float, here: str, store_gone: bool = False) -> tuple[list[int], str]:
     """(ranks that did not arrive, the message of the CollectiveTimeout this rank raises)."""
     lines, missing = [], []
     for peer in sorted(beats):
         if peer == rank:
             lines.append(f"  rank {peer}: in {op} #{seq} at {here} (this rank)")
             continue
-        arrived, text = describe(beats[peer], op, seq, silent_after)
+        arrived, text = describe(beats[peer], op, seq, silent_after, store_gone=store_gone)
         if not arrived:
             missing.append(peer)
         lines.append(f"  rank {peer}: {text}")

@@ -8,10 +8,14 @@ every rank runs one daemon thread that, every `interval` seconds, publishes to t
 
 where `op`/`seq` is the paratrain collective the rank is in (the n-th it entered) and `where` the
 file and line its main thread is at (read from `sys._current_frames`, so a rank sleeping or busy in
-user code is located too). `Watch.op(name)` wraps every collective `Run` performs; when one fails
-with a communication error it reads all heartbeats and raises `CollectiveTimeout` with the report
-from `diagnose.report`. The thread only reads a frame and writes one small key: no collectives,
-no locks shared with training.
+user code is located too). `Watch.op_scope(name)` wraps every collective `Run` performs; when one
+fails with a communication error it reads all heartbeats and raises `CollectiveTimeout` with the
+report from `diagnose.report`. The thread only reads a frame and writes one small key: no
+collectives, no locks shared with training.
+
+The store usually lives in rank 0's process. Each rank remembers rank 0's host and pid (read once),
+so when rank 0 has exited on this host nobody touches the dead store (which would only add socket
+errors to the output) and the report says so instead.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class Watch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._host, self._pid = socket.gethostname(), os.getpid()
+        self._rank0: diagnose.Beat | None = None
+        """Rank 0's first heartbeat: where the store's host process runs."""
 
     @classmethod
     def start(cls, rank: int, world_size: int, timeout_s: float) -> Watch:
@@ -80,11 +86,21 @@ class Watch:
             self.store.set(f"{_KEY}{self.rank}", json.dumps(self._beat()))
 
     def _loop(self) -> None:
+        try:
+            self._rank0 = self._read_one(0, wait=True)
+        except Exception:
+            return
         while not self._stop.wait(self.interval):
+            if self.store_gone():
+                return
             try:
                 self.publish()
             except Exception:  # the store went away with its host: nothing left to report to
                 return
+
+    def store_gone(self) -> bool:
+        """True when rank 0 (the store's host) ran on this host and has exited."""
+        return self.rank != 0 and self._rank0 is not None and diagnose.exited(self._rank0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -110,13 +126,20 @@ class Watch:
         finally:
             self.op = ""
 
+    def _read_one(self, peer: int, wait: bool = False) -> diagnose.Beat | None:
+        key = f"{_KEY}{peer}"
+        if not wait and not self.store.check([key]):
+            return None
+        return diagnose.Beat.from_dict(peer, json.loads(self.store.get(key)))
+
     def read(self) -> dict[int, diagnose.Beat | None]:
+        """Every rank's last heartbeat (only rank 0's remembered one when the store has gone with it)."""
+        if self.store_gone():
+            return {p: self._rank0 if p == 0 else None for p in range(self.world_size)}
         beats: dict[int, diagnose.Beat | None] = {}
         for peer in range(self.world_size):
-            key = f"{_KEY}{peer}"
             try:
-                beats[peer] = diagnose.Beat.from_dict(peer, json.loads(self.store.get(key))) \
-                    if self.store.check([key]) else None
+                beats[peer] = self._read_one(peer)
             except Exception:
                 beats[peer] = None
         return beats
@@ -133,7 +156,8 @@ class Watch:
             time.sleep(self.interval / 4)
             beats = self.read()
         here = diagnose.where(sys._getframe())
-        return diagnose.report(self.rank, self.op, self.seq, beats, exc, waited, self.silent_after, here)[1]
+        return diagnose.report(self.rank, self.op, self.seq, beats, exc, waited, self.silent_after, here,
+                               store_gone=self.store_gone())[1]
 
 
 INACTIVE = Watch(None, 0, 1, 600.0)

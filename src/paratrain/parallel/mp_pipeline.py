@@ -30,7 +30,7 @@ from .microbatch import Search, divisors, merge, search, split
 from .partition import Stage, equal_balance, layers_of, split_into_stages, too_few_layers
 from .plan import Plan
 from .streams import Copier
-from .trial import median_time, no_trace
+from .trial import no_trace, step_time
 
 
 def clock_cycles(microbatches: int, stages: int) -> list[list[tuple[int, int]]]:
@@ -129,7 +129,7 @@ def tune(pipe: MPPipeline, step: Callable[[], Any], batch: int, reduce_max: Call
     """Resolve microbatches='auto' by timing trial steps (`step` runs forward and backward)."""
     def measure(m: int) -> float:
         pipe.microbatches = m
-        seconds = median_time(step, repeats, warmup=1, devices=pipe.devices)
+        seconds = step_time(step, repeats, warmup=1, devices=pipe.devices)
         return reduce_max(seconds) if reduce_max else seconds
 
     with no_trace([pipe.model]):

@@ -113,7 +113,7 @@ def _trace(model: nn.Module, example: tuple[Any, ...]) -> list[Layer]:
         module = pipe.get_stage_module(i)
         for part in module.modules():  # run the generated code, not torch.fx's node-by-node interpreter
             if getattr(part, "_run_with_interpreter", False):
-                part._run_with_interpreter = False
+                object.__setattr__(part, "_run_with_interpreter", False)
         children = [n for n, _ in module.named_children()]
         layers.append((",".join(children) or f"part{i}", module))
     return layers

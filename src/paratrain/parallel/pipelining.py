@@ -31,7 +31,7 @@ from .memory import ActivationMeter, StageMemory, format_report, in_flight, para
 from .microbatch import Search, batch_size, check_even, divisors, search, split
 from .partition import Stage, layers_of, merged, split_into_stages
 from .plan import Plan
-from .trial import median_time, no_trace
+from .trial import no_trace, step_time
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
@@ -184,7 +184,7 @@ class PipelineModule(nn.Module):
         losses: list[torch.Tensor] = []
         if last:
             kwargs.update(target=targets, losses=losses)
-        if "return_outputs" in inspect.signature(sched.step).parameters:
+        if _takes_return_outputs(sched):
             kwargs["return_outputs"] = False
         self._loss_scale = microbatches * self.grad_accum  # mean over micro-batches and micro-steps
         sched.step(*((inputs,) if first else ()), **kwargs)
@@ -251,7 +251,7 @@ class PipelineModule(nn.Module):
         """Seconds per step with `microbatches`, the slowest rank's median (collective; call inside
         `trial.no_trace` to keep the gradients a trial step makes out of training)."""
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
-        seconds = median_time(lambda: self._run(inputs, targets, microbatches), repeats=repeats, warmup=1,
+        seconds = step_time(lambda: self._run(inputs, targets, microbatches), repeats=repeats, warmup=1,
                               devices=[self.device])
         return _max_over_world(seconds, self.device)
 
@@ -306,6 +306,17 @@ class PipelineModule(nn.Module):
         if self.plan.verbose:
             print(format_report(self.plan.memory, self.schedule_name, int(self.microbatches)), flush=True)
         return local
+
+
+_RETURN_OUTPUTS: dict[str, bool] = {}
+
+
+def _takes_return_outputs(schedule: Any) -> bool:
+    """Newer torch can skip merging the last stage's outputs (we only need the losses)."""
+    name = type(schedule).__name__
+    if name not in _RETURN_OUTPUTS:
+        _RETURN_OUTPUTS[name] = "return_outputs" in inspect.signature(schedule.step).parameters
+    return _RETURN_OUTPUTS[name]
 
 
 def _to(value: Any, device: torch.device) -> Any:

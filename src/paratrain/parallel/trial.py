@@ -8,7 +8,6 @@ match the reference run.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -46,9 +45,13 @@ def synchronize(devices: Iterable[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1,
-                devices: Iterable[torch.device] = ()) -> float:
-    """Median wall seconds of `fn` over `repeats` runs after `warmup` untimed ones (CUDA synchronised)."""
+def step_time(fn: Callable[[], object], repeats: int, warmup: int = 1,
+              devices: Iterable[torch.device] = ()) -> float:
+    """Fastest wall seconds of `fn` over `repeats` runs after `warmup` untimed ones (CUDA synchronised).
+
+    The fastest, not the median: other processes and the allocator only ever add time, and choices
+    (a balance, a micro-batch count) must not follow a noisy run.
+    """
     devices = list(devices)
     for _ in range(warmup):
         fn()
@@ -59,4 +62,4 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1,
         fn()
         synchronize(devices)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
