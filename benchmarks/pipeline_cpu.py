@@ -223,6 +223,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -241,6 +242,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         right.plot(ms, [r["bound"] for r in rows], "--", label=f"{k} stages bound KM/(M+K-1)")
     right.axhline(TUTORIAL_SPEEDUP, c="gray", ls=":", label="tutorial 1.49x (2 GPUs)")
     right.set(xscale="log", xlabel="micro-batches M", ylabel="speedup over 1 worker", title="pipeline speedup")
+    for ax in (left, right):
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

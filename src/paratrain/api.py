@@ -242,7 +242,7 @@ def setup(**kwargs: Any) -> Run:
     if config.strategy == "auto":
         config.strategy = "ddp" if placement.world_size > 1 else "single"
     strategy = strategies.get(config.strategy)
-    device = runtime.pick_device(config.accelerator, placement.local_rank)
+    device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
     ctx = Context(config=config, placement=placement, device=device)
     strategy.check(ctx)
     runtime.install_error_file_hook()

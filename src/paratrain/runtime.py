@@ -99,18 +99,22 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def pick_device(accelerator: str, local_rank: int) -> torch.device:
+def pick_device(accelerator: str, local_rank: int, per_worker: int = 1) -> torch.device:
+    """The first device of this worker: a worker owning `per_worker` GPUs (ddp+mp) starts at local_rank*k."""
     if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
         n = cuda_count()
         if n == 0:
             raise ParatrainError("accelerator='cuda' but no CUDA GPU is visible; use accelerator='cpu'")
-        if local_rank >= n:
+        first = local_rank * per_worker
+        if first + per_worker > n:
+            workers = max(1, n // per_worker)
             raise ParatrainError(
-                f"local rank {local_rank} has no GPU: only {n} visible. Start at most {n} workers per "
-                f"machine (paratrain run --nproc {n})"
+                f"local rank {local_rank} needs GPUs {first}..{first + per_worker - 1} but only {n} are visible "
+                f"({per_worker} per worker). Start at most {workers} worker(s) per machine "
+                f"(paratrain run --nproc {workers})"
             )
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(first)
+        return torch.device("cuda", first)
     return torch.device("cpu")
 
 

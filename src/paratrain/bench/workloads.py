@@ -69,8 +69,10 @@ def toy() -> Workload:
     )
 
 
-def mlp(width: int = 1024, depth: int = 8) -> Workload:
-    """Wide square layers: a step is almost all matrix products, so it is compute-bound on CPU workers."""
+def mlp(width: int = 512, depth: int = 8, batch: int = 2048) -> Workload:
+    """Square layers and a large batch: a step is almost all matrix products, so it is compute-bound on CPU
+    workers. Compute grows with batch x parameters and DDP's gradient exchange with parameters alone,
+    so a modest width and a large batch keep communication small (8 MB of gradients per step here)."""
     def model() -> nn.Module:
         layers: list[nn.Module] = []
         for _ in range(depth):
@@ -79,7 +81,7 @@ def mlp(width: int = 1024, depth: int = 8) -> Workload:
 
     return Workload(
         name="mlp", description=f"{depth} x Linear({width}, {width}) + ReLU, MSE on random targets; compute-bound",
-        model=model, data=lambda b: _regression(b, (width,), width), batch=512, steps=5, repeat=3, warmup=2,
+        model=model, data=lambda b: _regression(b, (width,), width), batch=batch, steps=5, repeat=3, warmup=2,
     )
 
 

@@ -129,7 +129,7 @@ def describe(beat: Beat | None, op: str, seq: int, silent_after: float, now: flo
     age = now - beat.time
     if exited(beat):
         doing = f"in {beat.op} #{beat.seq}" if beat.op else f"after collective #{beat.seq}"
-        return False, f"its process (pid {beat.pid}) has exited (its last heartbeat, {age:.1f} s ago: {doing} {at})"
+        return False, f"its process (pid {beat.pid}) has exited (last known heartbeat, {age:.1f} s ago: {doing} {at})"
     if age > silent_after:
         return False, f"no heartbeat for {age:.1f} s (dead, or stuck outside Python); last {at}"
     if beat.op == op and beat.seq == seq:

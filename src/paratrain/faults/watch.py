@@ -86,15 +86,18 @@ class Watch:
             self.store.set(f"{_KEY}{self.rank}", json.dumps(self._beat()))
 
     def _loop(self) -> None:
-        try:
-            self._rank0 = self._read_one(0, wait=True)
-        except Exception:
-            return
-        while not self._stop.wait(self.interval):
+        due = time.monotonic() + self.interval
+        # Until rank 0's beat is known, look for it every 50 ms (never with a blocking get: that would hold
+        # the store client meanwhile); then just publish every `interval`.
+        while not self._stop.wait(0.05 if self._rank0 is None else max(0.0, due - time.monotonic())):
             if self.store_gone():
                 return
             try:
-                self.publish()
+                if self._rank0 is None:
+                    self._rank0 = self._read_one(0)
+                if time.monotonic() >= due:
+                    self.publish()
+                    due = time.monotonic() + self.interval
             except Exception:  # the store went away with its host: nothing left to report to
                 return
 
@@ -126,9 +129,9 @@ class Watch:
         finally:
             self.op = ""
 
-    def _read_one(self, peer: int, wait: bool = False) -> diagnose.Beat | None:
+    def _read_one(self, peer: int) -> diagnose.Beat | None:
         key = f"{_KEY}{peer}"
-        if not wait and not self.store.check([key]):
+        if not self.store.check([key]):
             return None
         return diagnose.Beat.from_dict(peer, json.loads(self.store.get(key)))
 
