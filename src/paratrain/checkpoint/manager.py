@@ -1,6 +1,6 @@
 """The collective save/load protocol all ranks follow.
 
-    rank 0: make .tmp dir ──broadcast path──▶ every rank writes + fsyncs its files ──barrier──▶
+    rank 0: make .tmp dir ──broadcast──▶ every rank writes + fsyncs its files ──all agree it worked──▶
     rank 0: manifest + rename + `latest` + retention ──broadcast outcome──▶ every rank returns or raises
 
 Replicated strategies write one `shared.pt` from rank 0; sharded ones (`strategy.sharded_state`)
@@ -50,8 +50,10 @@ def _on_rank0(rank: int, fn: Callable[[], T]) -> T:
             outcome = ("ok", fn())
         except CheckpointError as exc:
             outcome = ("error", str(exc))
-        except OSError as exc:
-            outcome = ("error", f"checkpoint I/O failed on rank 0: {exc}")
+        except Exception as exc:
+            if is_comm_failure(exc):
+                raise
+            outcome = ("error", f"checkpoint step failed on rank 0: {type(exc).__name__}: {exc}")
     kind, value = _broadcast(outcome)
     if kind == "error":
         raise CheckpointError(value)
