@@ -33,3 +33,12 @@ def all_reduce(value: torch.Tensor | float, op: str = "mean", device: torch.devi
 def barrier() -> None:
     if active():
         dist.barrier()
+
+
+def mean_over_world(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Element-wise mean of a list of floats over all ranks (in float64, so ranks agree exactly)."""
+    return all_reduce(torch.tensor(values, dtype=torch.float64), "mean", device=device).tolist()  # type: ignore[no-any-return]
+
+
+def max_over_world(value: float, device: torch.device | None = None) -> float:
+    return float(all_reduce(torch.tensor(value, dtype=torch.float64), "max", device=device))

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import max_over_world, mean_over_world
 from ..errors import ParatrainError, unknown_name
 from .balance import choose_balance, describe
 from .memory import ActivationMeter, StageMemory, format_report, in_flight, param_bytes
@@ -124,7 +125,7 @@ class PipelineModule(nn.Module):
         sample = (split(inputs, min(sample_count, batch_size(inputs)))[0],)
         layers = layers_of(self.full, sample)
         balance, costs = choose_balance(self.requested_balance, layers, self.num_stages, sample=sample,
-                                        agree=lambda v: _mean_over_world(v, self.device))
+                                        agree=lambda v: mean_over_world(v, self.device))
         stages = split_into_stages(layers, balance)
         self.local = [stages[i].to(self.device) for i in self.ids]
         mine = {id(p) for s in self.local for p in s.parameters()}
@@ -253,7 +254,7 @@ class PipelineModule(nn.Module):
         inputs, targets = _to(inputs, self.device), _to(targets, self.device)
         seconds = step_time(lambda: self._run(inputs, targets, microbatches), repeats=repeats, warmup=1,
                               devices=[self.device])
-        return _max_over_world(seconds, self.device)
+        return max_over_world(seconds, self.device)
 
     def _tune(self, inputs: Any, targets: Any, batch: int) -> Search:
         candidates = self.candidates(batch)
@@ -327,15 +328,3 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {k: _to(v, device) for k, v in value.items()}
     return value
-
-
-def _mean_over_world(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return (tensor / dist.get_world_size()).tolist()
-
-
-def _max_over_world(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())

@@ -20,9 +20,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..collectives import max_over_world, mean_over_world
 from ..errors import ParatrainError
 from ..parallel.mp_pipeline import MPPipeline
 from ..parallel.pipelining import PipelineModule
@@ -129,19 +129,6 @@ def worker_devices(ctx: Context) -> list[torch.device]:
     return [torch.device("cuda", first + i) for i in range(k)]
 
 
-def _mean_over_world(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return (tensor / dist.get_world_size()).tolist()
-
-
-def _max_over_world(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
 class DataModelParallel:
     name = "ddp+mp"
     needs_process_group = True
@@ -162,7 +149,7 @@ class DataModelParallel:
         pipe = MPPipeline(model, worker_devices(ctx), ctx.config.microbatches, ctx.config.balance)
         pipe.plan.strategy = self.name
         pipe.plan.verbose = ctx.placement.rank == 0
-        pipe.agree = lambda values: _mean_over_world(values, ctx.device)
+        pipe.agree = lambda values: mean_over_world(values, ctx.device)
         return _ReplicatedPipeline(pipe, ctx)
 
     data_shard = staticmethod(whole_batch)
@@ -180,7 +167,7 @@ class DataModelParallel:
             raise ParatrainError("strategy 'ddp+mp': pass the model returned by run.prepare to forward_backward")
         return pipelined_step(model, model.pipe, inputs, targets, loss_fn, backward, model.build,
                               quiet=model.quiet,
-                              reduce_max=lambda v: _max_over_world(v, model._ctx.device))
+                              reduce_max=lambda v: max_over_world(v, model._ctx.device))
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
