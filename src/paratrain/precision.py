@@ -12,17 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._tree import map_tensors
+
 _DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
-def _to_float32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float32:
-        return value.float()
-    if isinstance(value, tuple | list):
-        return type(value)(_to_float32(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_float32(v) for k, v in value.items()}
-    return value
+def _as_float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() and tensor.dtype != torch.float32 else tensor
 
 
 def apply_autocast(model: nn.Module, precision: str, device_type: str) -> nn.Module:
@@ -35,7 +31,7 @@ def apply_autocast(model: nn.Module, precision: str, device_type: str) -> nn.Mod
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type=device_type, dtype=dtype):
             out = forward(*args, **kwargs)
-        return _to_float32(out)
+        return map_tensors(_as_float32, out)
 
     model.forward = autocast_forward  # type: ignore[method-assign]
     return model

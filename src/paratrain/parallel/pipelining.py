@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._tree import map_tensors
 from ..collectives import max_over_world, mean_over_world
 from ..errors import ParatrainError, unknown_name
 from .balance import choose_balance, describe
@@ -196,7 +197,7 @@ class PipelineModule(nn.Module):
     # -- the step ---------------------------------------------------------------------------------
     def forward(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         self._loss_fn = loss_fn
-        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
         if isinstance(self.microbatches, int):
             check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
@@ -251,7 +252,7 @@ class PipelineModule(nn.Module):
     def measure(self, inputs: Any, targets: Any, microbatches: int, repeats: int = 3) -> float:
         """Seconds per step with `microbatches`, the slowest rank's median (collective; call inside
         `trial.no_trace` to keep the gradients a trial step makes out of training)."""
-        inputs, targets = _to(inputs, self.device), _to(targets, self.device)
+        inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         seconds = step_time(lambda: self._run(inputs, targets, microbatches), repeats=repeats, warmup=1,
                               devices=[self.device])
         return max_over_world(seconds, self.device)
@@ -318,13 +319,3 @@ def _takes_return_outputs(schedule: Any) -> bool:
     if name not in _RETURN_OUTPUTS:
         _RETURN_OUTPUTS[name] = "return_outputs" in inspect.signature(schedule.step).parameters
     return _RETURN_OUTPUTS[name]
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list | tuple):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value

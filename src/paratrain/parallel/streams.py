@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .._tree import map_tensors
+
 
 class Copier:
     def __init__(self, devices: list[torch.device]) -> None:
@@ -22,11 +24,10 @@ class Copier:
 
     def to(self, value: Any, device: torch.device) -> Any:
         """`value` on `device`, copied asynchronously where the hardware allows."""
-        if isinstance(value, list | tuple):
-            return type(value)(self.to(v, device) for v in value)
-        if isinstance(value, dict):
-            return {k: self.to(v, device) for k, v in value.items()}
-        if not isinstance(value, torch.Tensor) or value.device == device:
+        return map_tensors(lambda t: self._copy(t, device), value)
+
+    def _copy(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if value.device == device:
             return value
         stream = self._streams.get(device)
         if stream is None or value.device.type != "cuda":
