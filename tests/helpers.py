@@ -93,3 +93,16 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     """A whole tensor from a possibly sharded one (FSDP2 keeps DTensor shards)."""
     full = getattr(value, "full_tensor", None)
     return (full() if full is not None else value).detach().clone()
+
+
+def check_job(strategy: str, world: int = 1, **options: object) -> None:
+    """What `setup` checks before any process group starts: the options (validated config), then the
+    strategy's own check for a job of `world` CPU workers."""
+    from paratrain.config import make_config
+    from paratrain.runtime import Placement
+    from paratrain.strategies import get
+    from paratrain.strategies.base import Context
+
+    ctx = Context(config=make_config({"strategy": strategy, **options}),
+                  placement=Placement(world_size=world, local_world_size=world), device=torch.device("cpu"))
+    get(strategy).check(ctx)

@@ -68,4 +68,4 @@ def test_launch_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     _fails_fast("multi-node run needs --master-port", checks.check, checks.LaunchSpec(nproc=1, max_nodes=2))
     _fails_fast("--nnodes", checks.parse_nnodes, "3:1")
     monkeypatch.setattr(checks, "cuda_count", lambda: 2)
-    _fails_fast("--nproc 4 but this machine has 2 GPU", checks.check, checks.LaunchSpec(nproc=4))
+    _fails_fast("--nproc=4 but only 2 GPU", checks.check, checks.LaunchSpec(nproc=4))

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .config import Accelerator, check_choice
 from .errors import ParatrainError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -116,6 +117,24 @@ def pick_device(accelerator: str, local_rank: int, per_worker: int = 1) -> torch
         torch.cuda.set_device(first)
         return torch.device("cuda", first)
     return torch.device("cpu")
+
+
+def mp_devices(requested: list[str] | None, device: torch.device, gpus: int) -> list[torch.device]:
+    """Stage devices of a one-process pipeline ("mp"): as requested; else every visible GPU (two stages on
+    the one GPU when there is only one, the tutorials' split); on CPU two stages on "cpu"."""
+    if device.type != "cuda":
+        return [torch.device("cpu")] * (len(requested) if requested else 2)
+    if requested:
+        return [torch.device(d) for d in requested]
+    return [torch.device("cuda", i) for i in range(gpus)] if gpus > 1 else [device, device]
+
+
+def worker_devices(per_worker: int, device: torch.device) -> list[torch.device]:
+    """The devices a "ddp+mp" worker owns: `per_worker` GPUs from its first one (or "cpu" each)."""
+    if device.type != "cuda":
+        return [torch.device("cpu")] * per_worker
+    first = device.index or 0
+    return [torch.device("cuda", first + i) for i in range(per_worker)]
 
 
 def pick_backend(requested: str | None, device: torch.device) -> str:
@@ -269,3 +288,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def check_nproc(nproc: int, gpus: int, flag: str = "nproc", cpu_fix: str = "accelerator='cpu'") -> None:
+    """One worker per GPU: more workers than visible GPUs would share devices (nccl refuses, or deadlocks)."""
+    if nproc < 1:
+        raise ParatrainError(f"{flag} must be >= 1, got {nproc}")
+    if gpus and nproc > gpus:
+        raise ParatrainError(
+            f"{flag}={nproc} but only {gpus} GPU(s) are visible: one worker per GPU allows at most {flag}={gpus}; "
+            f"use {flag}<={gpus}, or {cpu_fix} to run {nproc} CPU workers"
+        )
+
+
+def worker_count(nproc: int | None, accelerator: str) -> int:
+    """How many workers a launch starts: as asked, else one per visible GPU, else 1; checked against the GPUs
+    (none count with accelerator='cpu')."""
+    check_choice("accelerator", accelerator, Accelerator)
+    gpus = 0 if accelerator == "cpu" else cuda_count()
+    if accelerator == "cuda" and not gpus:
+        raise ParatrainError("accelerator='cuda' but no CUDA GPU is visible; use accelerator='cpu' (or 'auto')")
+    nproc = nproc if nproc is not None else (gpus or 1)
+    check_nproc(nproc, gpus)
+    return nproc

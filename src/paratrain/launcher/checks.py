@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ParatrainError
-from ..runtime import cuda_count, port_is_free
+from ..runtime import check_nproc, cuda_count, port_is_free
 
 
 @dataclass(kw_only=True)
@@ -40,13 +40,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 def check(spec: LaunchSpec) -> None:
     gpus = cuda_count()
-    if spec.nproc < 1:
-        raise ParatrainError(f"--nproc must be >= 1, got {spec.nproc}")
-    if gpus and spec.nproc > gpus:
-        raise ParatrainError(
-            f"--nproc {spec.nproc} but this machine has {gpus} GPU(s); use --nproc {gpus} or fewer "
-            "(one worker per GPU), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU workers"
-        )
+    check_nproc(spec.nproc, gpus, "--nproc", "hide the GPUs (CUDA_VISIBLE_DEVICES=)")
     if spec.backend == "nccl" and not gpus:
         raise ParatrainError("--backend nccl needs CUDA GPUs and none are visible; use --backend gloo on CPU")
     if spec.backend not in (None, "gloo", "nccl"):

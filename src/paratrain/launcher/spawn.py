@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import file_store
 from ..errors import ParatrainError
-from ..runtime import cuda_count
+from ..runtime import worker_count
 from . import _procs
 
 
@@ -44,23 +44,6 @@ class WorkerFailed(ParatrainError):
         self.others = others or {}
 
 
-def _check_nproc(nproc: int | None, accelerator: str) -> int:
-    if accelerator not in ("auto", "cpu", "cuda"):
-        raise ParatrainError(f"accelerator must be auto, cpu or cuda, got {accelerator!r}")
-    gpus = 0 if accelerator == "cpu" else cuda_count()
-    if accelerator == "cuda" and not gpus:
-        raise ParatrainError("accelerator='cuda' but no CUDA GPU is visible; use accelerator='cpu' (or 'auto')")
-    nproc = nproc if nproc is not None else (gpus or 1)
-    if nproc < 1:
-        raise ParatrainError(f"nproc must be >= 1, got {nproc}")
-    if gpus and nproc > gpus:
-        raise ParatrainError(
-            f"nproc={nproc} but only {gpus} GPU(s) are visible: one worker per GPU allows at most nproc={gpus}; "
-            f"use nproc<={gpus}, or accelerator='cpu' to run {nproc} CPU workers"
-        )
-    return nproc
-
-
 def launch(
     fn: Any, *args: Any, nproc: int | None = None, timeout: float | None = None, init: str | None = None,
     all_ranks: bool = False, accelerator: str = "auto", threads_per_worker: int = 1,
@@ -73,7 +56,7 @@ def launch(
     workers. CPU workers get `threads_per_worker` threads each. `init="file:///path"` makes setup() use a
     file store there. A failing worker raises `WorkerFailed` here; `timeout` (seconds) bounds the whole run.
     """
-    nproc = _check_nproc(nproc, accelerator)
+    nproc = worker_count(nproc, accelerator)
     store_path = file_store.path_of(init) if init else None
     if store_path:
         file_store.preflight(store_path, expect_idle=True)

@@ -178,3 +178,11 @@ def sweep(measure: Callable[[int], float], candidates: Sequence[int]) -> Search:
     curve = {m: measure(m) for m in sorted(set(candidates))}
     return Search(best=min(curve, key=lambda m: curve[m]), curve=curve,
                   seconds=time.perf_counter() - start, method="sweep")
+
+
+def pipeline_bound(stages: int, microbatches: int | str) -> float:
+    """The best speedup of a K-stage pipeline of M micro-batches over one device: K*M/(M+K-1), the bubble
+    being K-1 of its M+K-1 slots ("auto": the limit K that many micro-batches approach)."""
+    if not isinstance(microbatches, int):
+        return float(stages)
+    return stages * microbatches / (microbatches + stages - 1)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
+from .options import example_needed
 
 Layer = tuple[str, nn.Module]
 
@@ -80,10 +81,7 @@ def layers_of(model: nn.Module, example: tuple[Any, ...] | None = None) -> list[
             raise ParatrainError("the nn.Sequential has no layers to split into pipeline stages")
         return layers
     if example is None:
-        raise ParatrainError(
-            f"{type(model).__name__} is not an nn.Sequential, so it is traced to be split, which needs an "
-            "example input; it is taken from the first batch, so call run.forward_backward before use"
-        )
+        raise example_needed(type(model).__name__, "not an nn.Sequential, so it is traced to be split")
     return _trace(model, example)
 
 

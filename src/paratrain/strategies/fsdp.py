@@ -7,31 +7,22 @@ averaged, so training matches DDP and the single-process run at the same global 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from . import register
-from ._common import identity_unwrap, plain_forward_backward, whole_batch
-from .base import Context
-
-
-def apply_fsdp(model: nn.Module, mesh: Any = None) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    units = [m for m in model.children() if any(True for _ in m.parameters())]
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+from ..parallel.data_parallel import apply_fsdp, forward_backward, set_fsdp_sync
+from .base import Backward, Context, LossFn
 
 
 class FSDP:
     name = "fsdp"
     needs_process_group = True
     sharded_state = True
+    microbatched = False
+    scheduled = False
 
     def check(self, ctx: Context) -> None:
         try:
@@ -39,31 +30,27 @@ class FSDP:
         except ImportError:
             raise ParatrainError("strategy 'fsdp' needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from None
 
-    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
+    def bound(self, ctx: Context) -> float:
+        return float(ctx.placement.world_size)
+
+    def devices(self, ctx: Context) -> list[torch.device]:
+        return [ctx.device]
+
+    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         return apply_fsdp(model.to(ctx.device))
 
-    data_shard = staticmethod(whole_batch)
+    def data_shard(self, ctx: Context) -> tuple[int, int]:
+        return ctx.placement.rank, ctx.placement.world_size
 
-    @staticmethod
-    def sync_context(model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
-        return _gradient_sync(model, sync)
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        set_fsdp_sync(model, sync)
 
-    forward_backward = staticmethod(plain_forward_backward)
-    unwrap = staticmethod(identity_unwrap)
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
+                         ctx: Context) -> torch.Tensor:
+        return forward_backward(model, inputs, targets, loss_fn, backward)
 
-
-@contextmanager
-def _gradient_sync(model: nn.Module, sync: bool) -> Any:
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if sync or setter is None:
-        yield
-        return
-    setter(False)
-    try:
-        yield
-    finally:
-        setter(True)
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
 
 
 STRATEGY = FSDP()
-register(STRATEGY)
