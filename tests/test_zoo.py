@@ -113,17 +113,17 @@ def test_loss_decreases(case: zoo.ZooCase) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_bf16_reference_is_far_from_fp32(case: zoo.ZooCase) -> None:
     """A bf16 run that silently trains in float32 is caught by `compare.AUTOCAST_FLOOR` (1e-5): every
-    case's bf16 weights end at least 10x that away from fp32 (measured minimum 3.2e-4, llama)."""
+    case's bf16 weights get at least 5x that far from fp32 (measured minimum 1.5e-4, the MLP)."""
     fp32, bf16 = recorded(case.name, "fp32"), recorded(case.name, "bf16")
     gap = max(compare.max_diff(b, f) for b, f in zip(bf16.weights, fp32.weights))
-    assert gap > 10 * compare.AUTOCAST_FLOOR, gap
+    assert gap > 5 * compare.AUTOCAST_FLOOR, gap
 
 
 @pytest.mark.parametrize("case", EXACT)
 def test_tolerances_accept_exact_reorderings(case: zoo.ZooCase) -> None:
     """Splitting every batch into 2 or 4 row-weighted micro-batches (what pipelines, accumulation and
     data parallelism do to sums) stays within each precision's tolerance; fp32 drift stays 10x below the
-    autocast floor (measured at most 1.2e-7), so float32 can never pass for bf16."""
+    autocast floor (measured at most 1.2e-7), so float32 arithmetic can never pass for bf16."""
     batches = global_batches(case)
     for precision in ("fp32", "bf16"):
         want = recorded(case.name, precision)
@@ -236,5 +236,5 @@ def test_hugging_face_models_are_real_and_tiny(case: zoo.ZooCase) -> None:
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
     assert sum(p.numel() for p in model.parameters()) < 100_000
     out = model(case.batch(0, 2)[0])
-    assert isinstance(out, transformers.utils.ModelOutput) and out.logits.shape[0] == 2
-    assert to_float32(out).logits.dtype == torch.float32
+    assert isinstance(out, transformers.utils.ModelOutput) and out["logits"].shape[0] == 2
+    assert to_float32(out)["logits"].dtype == torch.float32

@@ -14,7 +14,7 @@ AUTOCAST_FLOOR = 1e-5
 """A bf16 run's weights must differ from the fp32 reference's by more than this (max |difference| over the
 state_dict, at some step), or it did not run under autocast. Measured over the zoo (tests/test_zoo.py):
 float32 runs that only reorder sums stay within 1.2e-7 of the reference; bf16 autocast moves the weights
-at least 3.2e-4 away within three steps."""
+at least 1.5e-4 away within three steps (the MLP; 3.2e-4 to 0.39 for the others)."""
 
 
 def weights_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], initial: dict[str, torch.Tensor],

@@ -25,6 +25,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    causal: torch.Tensor
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads

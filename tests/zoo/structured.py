@@ -73,11 +73,12 @@ def build_mlp(seed: int, features: int = 16, dim: int = 32, outputs: int = 4) ->
 def build_tied_sequential(seed: int, vocab: int = VOCAB, dim: int = 32) -> nn.Sequential:
     """Embedding -> MLP -> Linear head whose weight is the embedding's: a per-token language model."""
     with seeded(seed):
-        model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim),
-                              nn.Tanh(), nn.Linear(dim, vocab, bias=False))
-        nn.init.normal_(model[0].weight, std=0.5)
-    model[5].weight = model[0].weight
-    return model
+        embed = nn.Embedding(vocab, dim)
+        body = [nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim), nn.Tanh()]
+        head = nn.Linear(dim, vocab, bias=False)
+        nn.init.normal_(embed.weight, std=0.5)
+    head.weight = embed.weight
+    return nn.Sequential(embed, *body, head)
 
 
 def build_dict_classifier(seed: int) -> DictClassifier:
