@@ -78,7 +78,7 @@ def test_time_balance_beats_the_equal_split_on_unequal_layers() -> None:
     heavy = [nn.Linear(1024, 1024) for _ in range(4)]
     model = nn.Sequential(*heavy[:3], nn.Tanh(), nn.ReLU(), nn.Tanh(), nn.ReLU(), heavy[3])
     grads_before = [p.grad for p in model.parameters()]
-    sample = (torch.randn(64, 1024),)
+    sample = torch.randn(64, 1024)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as pipeline workers run; spinning thread pools on shared cores time nothing
     try:
@@ -99,7 +99,7 @@ def test_time_balance_beats_the_equal_split_on_unequal_layers() -> None:
 def test_profile_leaves_batchnorm_statistics_and_rng_alone() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
     stats = model[1].running_mean.clone()
-    sample = (torch.randn(8, 4),)
+    sample = torch.randn(8, 4)
     torch.manual_seed(3)
     expected = torch.rand(1)
     torch.manual_seed(3)

@@ -20,6 +20,7 @@ from .config import Config, make_config
 from .data import ShardedLoader
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
+from .parallel.randomness import apply_layout_dropout, set_seed
 from .precision import apply_autocast, make_scaler
 from .step import PreparedOptimizer, Step, rebind
 from .strategies.base import Context, LossFn, Strategy
@@ -86,6 +87,7 @@ class Run:
         `example` is one batch of model inputs: pipelines need it to trace a model that is not an
         nn.Sequential and to measure layers for balance="time"/"memory"."""
         before = dict(model.named_parameters())
+        apply_layout_dropout(model)
         wrapped = self.strategy.wrap(model, self.ctx, example)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)
@@ -122,9 +124,24 @@ class Run:
             self._scaled_backward(loss)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank."""
+        """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank.
+        Under torch.no_grad() nothing is trained: it is `evaluate(model, inputs, targets, loss_fn)`."""
+        if not torch.is_grad_enabled():
+            return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
         with self._watch.op_scope("forward_backward"), self.step.micro(model):
             return self.strategy.forward_backward(model, inputs, targets, loss_fn, self._scaled_backward, self.ctx)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None) -> Any:
+        """A batch's outputs, or given `targets` and `loss_fn` its mean loss over every rank's rows, without
+        training: the model in eval mode (restored after) and no gradients. Any strategy; collective.
+        Pipelines return outputs on the last stage (None on the other ranks); the loss comes back everywhere."""
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self._watch.op_scope("evaluate"):
+                return self.strategy.evaluate(model, inputs, targets, loss_fn, self.ctx)
+        finally:
+            model.train(was)
 
     @contextlib.contextmanager
     def join(self, model: nn.Module) -> Iterator[None]:
@@ -241,6 +258,7 @@ def setup(**kwargs: Any) -> Run:
     stop.install()
     run = Run(config, strategy, ctx, watch, stop)
     _seed(config.seed)
+    set_seed(config.seed)
     return run
 
 

@@ -19,6 +19,7 @@ Accelerator = Literal["auto", "cpu", "cuda"]
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 BalanceMode = Literal["time", "memory", "equal"]
 CommHook = Literal["bf16", "fp16"]
+BatchNormMode = Literal["exact", "local"]
 
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)[1:]
 """Every strategy, in the order documentation lists them ("auto" is not one: it picks one)."""
@@ -48,8 +49,10 @@ class Config:
     """Directory for `save`/`load`; `load` resumes from its newest complete checkpoint."""
     keep_last: int = 3
     """Checkpoints kept in checkpoint_dir; older ones are removed after a successful save."""
-    sync_batchnorm: bool = False
-    """Convert BatchNorm layers to SyncBatchNorm (data-parallel strategies on CUDA)."""
+    batchnorm: BatchNormMode = "exact"
+    """BatchNorm when a batch is split over workers or micro-batches: "exact" (whole-batch statistics:
+    SyncBatchNorm for data-parallel CUDA workers, otherwise a refusal) or "local" (each part normalised by
+    its own rows; pipelines still update running statistics once per step). See parallel/batchnorm.py."""
     bucket_cap_mb: float | None = None
     """DDP gradient bucket size in MiB (None: torch's 25)."""
     find_unused_parameters: bool = False
@@ -93,6 +96,7 @@ def validate(cfg: Config) -> Config:
     check_choice("precision", cfg.precision, Precision)
     check_choice("accelerator", cfg.accelerator, Accelerator)
     check_choice("schedule", cfg.schedule, Schedule)
+    check_choice("batchnorm", cfg.batchnorm, BatchNormMode)
     if cfg.comm_hook is not None:
         check_choice("comm_hook", cfg.comm_hook, CommHook)
     for name in ("grad_accum", "keep_last", "devices_per_worker", "stages_per_worker", "pp_size"):

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .parallel import randomness
+
 
 class Step:
     """Micro-step counter and accumulation window of one run; arms each strategy's gradient sync."""
@@ -48,6 +50,7 @@ class Step:
         """A prepared model: its gradient sync follows the window from its first micro-step on."""
         self._models.append(model)
         self._set_sync(model, self.syncs)
+        randomness.at_micro_step(self.count)
 
     @contextmanager
     def micro(self, model: nn.Module | None = None) -> Iterator[None]:
@@ -59,12 +62,14 @@ class Step:
             yield
         finally:
             self.count += 1
+            randomness.at_micro_step(self.count)  # dropout masks are drawn per micro-step
             for m in self._models:
                 self._set_sync(m, self.syncs)
 
     def restore(self, count: int) -> None:
         """Continue counting from a checkpoint, re-arming the sync flags for the micro-step that follows."""
         self.count = count
+        randomness.at_micro_step(count)
         for m in self._models:
             self._set_sync(m, self.syncs)
 

@@ -1,7 +1,7 @@
 """The user's training loop on a zoo case under any strategy, as a script writes it with today's public
 API; the reproductions compare what it records with the plain-PyTorch reference (`zoo.reference`).
 
-`prepare` is the one place that calls `run.prepare`, so the coming `example=` argument is added here once.
+`prepare` is the one place that calls `run.prepare`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ After = Callable[[paratrain.Run, nn.Module, torch.optim.Optimizer], dict[str, An
 
 
 def prepare(run: paratrain.Run, model: nn.Module, optimizer: torch.optim.Optimizer, example: Any) -> Any:
-    """run.prepare(model, optimizer); `example` is a batch of inputs, for the `example=` argument to come."""
-    return run.prepare(model, optimizer)
+    """run.prepare(model, optimizer, example=...): `example` is a batch of inputs (pipelines trace and measure
+    with it)."""
+    return run.prepare(model, optimizer, example=example)
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

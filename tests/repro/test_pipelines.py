@@ -29,22 +29,22 @@ def _tol(case: str) -> zoo.Tolerance:
     return zoo.MODELS[case].tolerances["fp32"]
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: a head tied to the embedding is split into separate copies "
-                   "across stages, which drift apart without a warning")
 def test_tied_weights_across_stages() -> None:
+    """Finding 2 (fixed; was: a head tied to the embedding is split into separate copies across stages, which drift
+    apart without a warning)."""
     matches_or_refuses(_mp("llama_tied"), reference("llama_tied"), _tol("llama_tied"), names=["head", "tok_emb"])
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: a traced forward that reshapes with the batch size keeps the "
-                   "traced size, so micro-batches fail with torch's raw 'shape ... is invalid'")
 def test_batch_shaped_reshape_with_microbatches() -> None:
+    """Finding 3 (fixed; was: a traced forward that reshapes with the batch size keeps the traced size, so micro-
+    batches fail with torch's raw 'shape ... is invalid')."""
     matches_or_refuses(_mp("llama", microbatches=2), reference("llama"), _tol("llama"),
                        names=["batch size", "microbatches"])
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: the short last batch of an epoch fails with torch's raw "
-                   "'shape ... is invalid' after the model was traced at the full batch")
 def test_batch_shaped_reshape_on_a_short_last_batch() -> None:
+    """Finding 3 (fixed; was: the short last batch of an epoch fails with torch's raw 'shape ... is invalid' after the
+    model was traced at the full batch)."""
     matches_or_refuses(_mp("llama", sizes=(8, 6)), reference("llama", (8, 6)), _tol("llama"),
                        names=["batch size", "drop_last"])
 
@@ -59,9 +59,9 @@ def _evaluate_twice(run: paratrain.Run, model: nn.Module, optimizer: torch.optim
     return {"eval": (first, second), "stats_moved": moved}
 
 
-@pytest.mark.xfail(strict=True, reason="finding 4: model.eval() does not reach the traced graph under mp, which "
-                   "keeps training-mode Dropout and BatchNorm")
 def test_evaluation_of_a_traced_model() -> None:
+    """Finding 4 (fixed; was: model.eval() does not reach the traced graph under mp, which keeps training-mode Dropout
+    and BatchNorm)."""
     case = zoo.MODELS["cnn_bn_dropout"]
     result = loop.train(case, "mp", after=_evaluate_twice)
     first, second = result["eval"]
@@ -81,9 +81,9 @@ def _two_balances(case: str) -> list[dict[str, Any]]:
             for balance in ([8, 1], [7, 2])]
 
 
-@pytest.mark.xfail(strict=True, reason="finding 5: each pipeline rank draws dropout masks from its own seed, so "
-                   "moving a dropout layer to another rank by the balance changes the run")
 def test_dropout_does_not_depend_on_the_balance() -> None:
+    """Finding 5 (fixed; was: each pipeline rank draws dropout masks from its own seed, so moving a dropout layer to
+    another rank by the balance changes the run)."""
     runs = paratrain.launch(_two_balances, "cnn_bn_dropout", nproc=2, timeout=60, all_ranks=True)
     for by_eight, by_seven in runs:
         assert by_eight["losses"] == pytest.approx(by_seven["losses"], abs=1e-6)
@@ -102,16 +102,16 @@ UNTIED_GPT = dataclasses.replace(zoo.MODELS["gpt"], name="gpt_untied", build=_un
                                  tags=zoo.MODELS["gpt"].tags - {zoo.case.TIED})
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: separate tok_emb / pos_emb children are refused with 'a value "
-                   "skips over a child at submod_pp_1' (nothing skips; submod_pp_1 is a generated name)")
 def test_separate_embeddings() -> None:
+    """Finding 6 (fixed; was: separate tok_emb / pos_emb children are refused with 'a value skips over a child at
+    submod_pp_1' (nothing skips; submod_pp_1 is a generated name))."""
     matches_or_refuses(_mp(UNTIED_GPT), reference(UNTIED_GPT), UNTIED_GPT.tolerances["fp32"],
                        names=["tok_emb", "pos_emb"])
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: blocks in an nn.ModuleList all land in one pipeline stage, "
-                   "whatever the balance, and nothing warns")
 def test_modulelist_blocks_are_spread_over_stages() -> None:
+    """Finding 6 (fixed; was: blocks in an nn.ModuleList all land in one pipeline stage, whatever the balance, and
+    nothing warns)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -129,16 +129,15 @@ def test_modulelist_blocks_are_spread_over_stages() -> None:
     assert len(with_blocks) > 1, f"every block is on one stage: {stages}"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: a dict input (forward(inputs: dict)) is refused with 'a value "
-                   "skips over a child at submod_pp_1'")
 def test_dict_inputs_and_outputs() -> None:
+    """Finding 6 (fixed; was: a dict input (forward(inputs: dict)) is refused with 'a value skips over a child at
+    submod_pp_1')."""
     matches_or_refuses(_mp("dict_io"), reference("dict_io"), _tol("dict_io"),
                        names=["mask", "input_ids", "embed", "encoder", "dict"])
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: tuples passed between nn.Sequential layers fail under pp with "
-                   "torch's raw TypeError")
 def test_tuples_between_sequential_layers() -> None:
+    """Finding 6 (fixed; was: tuples passed between nn.Sequential layers fail under pp with torch's raw TypeError)."""
     matches_or_refuses(
         lambda: paratrain.launch(loop.train, "tuple_seq", "pp", microbatches=2, nproc=2, timeout=60, all_ranks=True),
         reference("tuple_seq"), _tol("tuple_seq"), names=["tuple", "Mix", "Close"])
@@ -162,9 +161,9 @@ def _evaluate_pipeline(run: paratrain.Run, model: nn.Module, optimizer: torch.op
     return outcomes
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: pp has no evaluation step: model(x) raises a raw TypeError and "
-                   "forward_backward under no_grad torch's 'call eval() instead'")
 def test_pipeline_evaluation() -> None:
+    """Finding 6 (fixed; was: pp has no evaluation step: model(x) raises a raw TypeError and forward_backward under
+    no_grad torch's 'call eval() instead')."""
     results = paratrain.launch(loop.train, "mlp", "pp", (8,), microbatches=2, schedule="gpipe",
                                after=_evaluate_pipeline, nproc=2, timeout=60, all_ranks=True)
     want = reference("mlp", (8,), evaluate=eval_batch(zoo.MODELS["mlp"], rows=8))
@@ -182,9 +181,9 @@ def test_pipeline_evaluation() -> None:
         torch.testing.assert_close(last["model"][1], want.eval_outputs, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 8: BatchNorm under micro-batches normalizes each micro-batch by "
-                   "its own statistics and updates running statistics M times, silently")
 def test_batchnorm_with_microbatches() -> None:
+    """Finding 8 (fixed; was: BatchNorm under micro-batches normalizes each micro-batch by its own statistics and
+    updates running statistics M times, silently)."""
     matches_or_refuses(_mp("cnn_bn", microbatches=4), reference("cnn_bn"), _tol("cnn_bn"),
                        names=["BatchNorm", "bn1", "bn2"])
 
@@ -199,8 +198,8 @@ def _cnn_with_identity(seed: int) -> nn.Module:
     return model
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6 (also seen): a child that traces to nothing (nn.Identity) fails "
-                   "with torch's raw AttributeError 'GraphModule' object has no attribute 'submod_pp_7'")
 def test_identity_child() -> None:
+    """Finding 6 (also seen) (fixed; was: a child that traces to nothing (nn.Identity) fails with torch's raw
+    AttributeError 'GraphModule' object has no attribute 'submod_pp_7')."""
     case = dataclasses.replace(zoo.MODELS["cnn_bn"], name="cnn_bn_identity", build=_cnn_with_identity)
     matches_or_refuses(_mp(case), reference("cnn_bn"), _tol("cnn_bn"), names=["drop", "Identity"])

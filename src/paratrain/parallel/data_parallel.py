@@ -7,7 +7,6 @@ persistent flag so a micro-step can be armed before the user's own forward runs 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,17 +49,6 @@ def _register_comm_hook(model: DistributedDataParallel, name: str | None) -> Non
 
     hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
     model.register_comm_hook(None, hooks[name])
-
-
-def convert_sync_batchnorm(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
-    if not cfg.sync_batchnorm:
-        return model
-    if device.type != "cuda":
-        # torch's SyncBatchNorm runs on GPUs only; on CPU workers statistics stay per worker.
-        warnings.warn("sync_batchnorm=True is ignored on CPU workers (torch supports SyncBatchNorm on CUDA only)",
-                      stacklevel=3)
-        return model
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, process_group: Any = None) -> nn.Module:
@@ -120,6 +108,21 @@ def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int) -> 
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: torch.device) -> Any:
+    """The outputs of a forward pass, or given `loss_fn` the mean loss over every rank's rows (ranks may
+    hold different numbers, as an evaluation loader gives them), on every rank."""
+    from ..collectives import all_reduce
+    from .microbatch import batch_size
+
+    out = model(inputs)
+    if loss_fn is None:
+        return out
+    rows = float(batch_size(inputs))
+    loss = float(loss_fn(out, targets))
+    total = all_reduce(torch.tensor([loss * rows, rows], dtype=torch.float64), op="sum", device=device)
+    return (total[0] / total[1]).float()
 
 
 def forward_backward(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, backward: Any) -> torch.Tensor:

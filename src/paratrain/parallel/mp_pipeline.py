@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import batchnorm, randomness
 from .balance import choose_balance, describe
+from .batchnorm import check_microbatches
 from .memory import StageMemory, format_report, param_bytes, watch_stages
 from .microbatch import batch_size, divisors, merge, split
 from .options import example_needed
@@ -51,7 +53,8 @@ class MPPipeline(nn.Module):
 
     def __init__(self, model: nn.Module, devices: Sequence[torch.device], microbatches: int | str = 1,
                  balance: Sequence[int] | str = "time", example: Any = None, *, strategy: str = "mp",
-                 verbose: bool = True, agree: Callable[[list[float]], list[float]] | None = None) -> None:
+                 verbose: bool = True, agree: Callable[[list[float]], list[float]] | None = None,
+                 batchnorm: str = "exact") -> None:
         """`agree` makes processes that each hold a replica (ddp+mp) measure, and so split, identically."""
         super().__init__()
         self.model = model
@@ -60,9 +63,10 @@ class MPPipeline(nn.Module):
         self.plan = Plan(strategy=strategy, stages=len(self.devices), microbatches=microbatches, verbose=verbose)
         self._copier = Copier(self.devices)
         self.stages: list[Stage] = []
-        self._build(balance, None if example is None else (example,), agree)
+        self.deferred_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
+        self._build(balance, example, agree)
 
-    def _build(self, requested: Sequence[int] | str, sample: tuple[Any, ...] | None,
+    def _build(self, requested: Sequence[int] | str, sample: Any,
                agree: Callable[[list[float]], list[float]] | None) -> None:
         """Split and place the model, measuring layers where they will run when balancing by time."""
         k = len(self.devices)
@@ -71,7 +75,7 @@ class MPPipeline(nn.Module):
             why = (f"balance={requested!r} measures the layers" if measured
                    else f"{type(self.model).__name__} is not an nn.Sequential and is traced to be split")
             raise example_needed(f"strategy {self.plan.strategy!r}", why)
-        layers = layers_of(self.model, sample)
+        layers = layers_of(self.model, sample, defer_batchnorm=self.deferred_batchnorm)
         if len(layers) < k:
             raise too_few_layers(len(layers), k)
         if measured:
@@ -88,16 +92,20 @@ class MPPipeline(nn.Module):
         self.stages = stages
         self._stage_modules = nn.ModuleList(stages)  # registered, so .train()/.eval() reach traced pieces
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, inputs: Any) -> Any:
         k = len(self.stages)
         m = self.microbatches if isinstance(self.microbatches, int) else 1  # "auto" before it is resolved
         chunks = split(inputs, m) if m > 1 else [inputs]
         m = len(chunks)
+        starts = [0]
+        for chunk in chunks[:-1]:
+            starts.append(starts[-1] + batch_size(chunk))
         values: list[Any] = list(chunks)
         for pairs in clock_cycles(m, k):
             for i, j in pairs:
                 x = self._copier.to(values[i], self.devices[j])
-                values[i] = self.stages[j](*x) if j == 0 else self.stages[j](x)
+                with randomness.rows_offset(starts[i]):  # dropout masks follow the rows, not the split
+                    values[i] = self.stages[j](x)
         return merge(values) if m > 1 else values[0]
 
     def measure_memory(self, step: Callable[[], Any]) -> Any:
@@ -153,7 +161,9 @@ def train_step(module: nn.Module, pipe: MPPipeline, inputs: Any, targets: Any, l
         backward(loss)
         return loss
 
-    return pipe.measure_memory(real) if pipe.plan.memory is None else real()  # type: ignore[no-any-return]
+    loss = pipe.measure_memory(real) if pipe.plan.memory is None else real()
+    batchnorm.commit()  # running statistics move once per step, from all micro-batches
+    return loss  # type: ignore[no-any-return]
 
 
 __all__ = ["MPPipeline", "clock_cycles", "train_step"]

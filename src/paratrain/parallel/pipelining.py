@@ -30,7 +30,9 @@ from torch import nn
 from .._tree import map_tensors
 from ..collectives import max_over_world, mean_over_world
 from ..errors import ParatrainError
+from . import batchnorm
 from .balance import choose_balance, describe
+from .batchnorm import check_microbatches
 from .memory import StageMemory, format_report, in_flight, param_bytes, watch_stages
 from .microbatch import batch_size, check_even, divisors, split
 from .options import check_layout, example_needed
@@ -72,7 +74,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
                  device: torch.device, microbatches: int | str, balance: Sequence[int] | str, example: Any,
-                 group: Any = None, strategy: str = "pp") -> None:
+                 group: Any = None, strategy: str = "pp", batchnorm: str = "exact") -> None:
         super().__init__()
         check_layout(schedule, pp, per_worker, microbatches)
         self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
@@ -87,6 +89,7 @@ class PipelineModule(nn.Module):
         self._loss_scale = 1
         self._loss_saved = 0
         self._meter: Any = None
+        self._defer_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
         self.local = self._split(model, balance, example)
         self._registered = nn.ModuleList(self.local)
 
@@ -101,8 +104,8 @@ class PipelineModule(nn.Module):
         if example is not None:
             example = map_tensors(lambda t: t.to(self.device), example)
             count = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
-            sample = (split(example, min(count, batch_size(example)))[0],)
-        layers = layers_of(model, sample)
+            sample = split(example, min(count, batch_size(example)))[0]
+        layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm)
         balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample,
                                         agree=lambda v: mean_over_world(v, self.device))
         stages = split_into_stages(layers, balance)
@@ -130,31 +133,35 @@ class PipelineModule(nn.Module):
             self._loss_saved = max(self._loss_saved, meter.current - before)
         return loss / self._loss_scale
 
-    def _schedule(self, microbatches: int, inputs: Any) -> Any:
-        key = (microbatches, _signature(inputs))
+    def _schedule(self, microbatches: int, inputs: Any, training: bool = True, loss: bool = True) -> Any:
+        key = (microbatches, _signature(inputs), training, loss)
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
             stages = [PipelineStage(stage, i, self.num_stages, self.device, group=self.group)
                       for stage, i in zip(self.local, self.ids)]
-            cls = _schedule_class(self.schedule_name, self.per_worker)
+            # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
+            name = self.schedule_name if training or self.per_worker > 1 else "gpipe"
+            cls = _schedule_class(name, self.per_worker)
             try:
                 # The loss is scaled instead of the gradients (scale_grads=False): torch would divide all of
                 # .grad, including what earlier micro-steps of an accumulation window left there.
-                first = stages[0] if self.schedule_name in ("gpipe", "1f1b") else stages
-                sched = cls(first, microbatches, loss_fn=self._loss, scale_grads=False)
+                first = stages[0] if name in ("gpipe", "1f1b") else stages
+                sched = cls(first, microbatches, loss_fn=self._loss if loss else None, scale_grads=False)
             except ValueError as exc:
                 raise ParatrainError(
                     f"schedule {self.schedule_name!r} with {self.num_stages} stages on {self.pp} workers "
                     f"cannot run {microbatches} micro-batches: {exc}. Choose another microbatches "
                     "(a multiple of the workers is always accepted) or microbatches='auto'"
                 ) from None
-            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != microbatches}
+            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != key[0] or k[2:] != key[2:]}
             self._schedules[key] = (sched, stages)
         return self._schedules[key]
 
     def _run(self, inputs: Any, targets: Any, microbatches: int, loss_scale: int) -> torch.Tensor | None:
         sched, stages = self._schedule(microbatches, inputs)
+        for stage in self.local:
+            stage.row_cursor = 0  # each stage runs its micro-batches' forwards in order
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
         kwargs: dict[str, Any] = {}
@@ -170,8 +177,14 @@ class PipelineModule(nn.Module):
         return torch.stack([loss.detach().float() for loss in losses]).sum() * loss_scale
 
     # -- the step ---------------------------------------------------------------------------------
-    def forward(self, inputs: Any, targets: Any, loss_fn: LossFn, loss_scale: int = 1) -> torch.Tensor | None:
-        """One scheduled step; `loss_scale` divides every micro-batch loss (the accumulation window)."""
+    def forward(self, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None,
+                loss_scale: int = 1) -> Any:
+        """One scheduled training step, returning the last stage's summed micro-batch losses (None on other
+        stages), with `loss_scale` dividing every micro-batch loss (the accumulation window). Without a
+        loss function or under no_grad, a forward-only pass: the outputs, or the mean loss given `loss_fn`,
+        on the last stage (None on the others); `model(x)` is that pass."""
+        if loss_fn is None or not torch.is_grad_enabled():
+            return self._evaluate(inputs, targets, loss_fn)
         self._loss_fn = loss_fn
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
@@ -183,9 +196,37 @@ class PipelineModule(nn.Module):
                 self.local)
             self._schedules = {k: v for k, v in self._schedules.items() if k[0] == self.microbatches}
         assert isinstance(self.microbatches, int)
-        if self.plan.memory is None:
-            return self._measure_memory(inputs, targets, loss_scale)
-        return self._run(inputs, targets, self.microbatches, loss_scale)
+        local = (self._measure_memory(inputs, targets, loss_scale) if self.plan.memory is None
+                 else self._run(inputs, targets, self.microbatches, loss_scale))
+        batchnorm.commit()  # running statistics move once per step, from all micro-batches
+        return local
+
+    def _evaluate(self, inputs: Any, targets: Any, loss_fn: LossFn | None) -> Any:
+        inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
+        batch = batch_size(inputs)
+        wanted = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
+        fits = [m for m in divisors(batch) if m <= wanted and (self.per_worker == 1 or m % self.pp == 0)]
+        if not fits:
+            raise ParatrainError(
+                f"strategy {self.plan.strategy!r}: an evaluation batch of {batch} rows cannot be cut into whole "
+                f"rounds of {self.pp} micro-batches for {self.per_worker} stages per worker; evaluate batches "
+                f"whose size is a multiple of {self.pp}"
+            )
+        m = max(fits)
+        sched, stages = self._schedule(m, inputs, training=False, loss=loss_fn is not None)
+        for stage in self.local:
+            stage.row_cursor = None
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        last = any(s.is_last for s in stages)
+        if last and loss_fn is not None:
+            kwargs.update(target=targets, losses=losses)
+        self._loss_fn, self._loss_scale = loss_fn, m
+        first = any(s.is_first for s in stages)
+        out = sched.eval(*((inputs,) if first else ()), **kwargs)
+        if not last:
+            return None
+        return torch.stack([loss.detach().float() for loss in losses]).sum() if loss_fn is not None else out
 
     def candidates(self, batch: int) -> list[int]:
         """Micro-batch counts this schedule accepts for `batch` (equal micro-batches only)."""
@@ -247,3 +288,17 @@ def global_loss(local: torch.Tensor | None, replicas: int, device: torch.device)
 
     value = local if local is not None else torch.zeros((), device=device)
     return all_reduce(value.detach().float(), op="sum") / replicas
+
+
+def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, device: torch.device) -> Any:
+    """A forward-only pass of a pipeline (under no_grad): the outputs on the last stage (None elsewhere), or
+    the mean loss over every replica's rows, weighted by rows, on every rank."""
+    from ..collectives import all_reduce
+
+    local = model(inputs, targets, loss_fn)
+    if loss_fn is None:
+        return local
+    rows = float(batch_size(inputs)) if local is not None else 0.0
+    value = float(local) * rows if local is not None else 0.0
+    total = all_reduce(torch.tensor([value, rows], dtype=torch.float64), op="sum", device=device)
+    return (total[0] / total[1]).float()

@@ -66,5 +66,9 @@ class Strategy(Protocol):
         """One micro-step's forward and backward (calling `backward(loss)` where the loss exists);
         returns the mean loss over the whole global batch, on every rank."""
 
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        """A forward-only pass (the caller sets eval mode and no_grad): the outputs, or given `loss_fn` the
+        mean loss over the rows of every rank, on every rank. Pipelines return outputs on the last stage."""
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the wrapper (for state dicts)."""

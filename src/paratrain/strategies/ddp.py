@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ParatrainError
-from ..parallel.data_parallel import apply_ddp, convert_sync_batchnorm, forward_backward, set_ddp_sync
+from ..parallel.batchnorm import for_replicas
+from ..parallel.data_parallel import apply_ddp, evaluate, forward_backward, set_ddp_sync
 from .base import Backward, Context, LossFn
 
 
@@ -32,7 +33,8 @@ class DDP:
         return [ctx.device]
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        model = convert_sync_batchnorm(model, ctx.config, ctx.device).to(ctx.device)
+        model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
+                             "strategy 'ddp'").to(ctx.device)
         return apply_ddp(model, ctx.config, [ctx.device.index] if ctx.device.type == "cuda" else None)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
@@ -44,6 +46,9 @@ class DDP:
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
                          ctx: Context) -> torch.Tensor:
         return forward_backward(model, inputs, targets, loss_fn, backward)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

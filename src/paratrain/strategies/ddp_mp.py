@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives import all_reduce, max_over_world, mean_over_world
 from ..errors import ParatrainError
-from ..parallel.data_parallel import apply_ddp, set_ddp_sync
+from ..parallel.batchnorm import for_replicas
+from ..parallel.data_parallel import apply_ddp, evaluate, set_ddp_sync
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.mp_pipeline import MPPipeline, train_step
 from ..parallel.options import check_balance_entries
@@ -49,9 +50,10 @@ class DataModelParallel:
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         cfg = ctx.config
-        pipe = MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance,
-                          example, strategy=self.name, verbose=ctx.placement.rank == 0,
-                          agree=lambda values: mean_over_world(values, ctx.device))
+        model = for_replicas(model, cfg.batchnorm, ctx.device, ctx.placement.world_size, True, "strategy 'ddp+mp'")
+        pipe = MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example, strategy=self.name,
+                          verbose=ctx.placement.rank == 0, agree=lambda values: mean_over_world(values, ctx.device),
+                          batchnorm=cfg.batchnorm)
         return apply_ddp(pipe, cfg, device_ids=None)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
@@ -67,6 +69,9 @@ class DataModelParallel:
         loss = train_step(model, model.module, inputs, targets, loss_fn, backward, no_sync=model.no_sync,
                           reduce_max=lambda v: max_over_world(v, ctx.device))
         return all_reduce(loss.detach().float(), op="mean")
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         if isinstance(model, DistributedDataParallel) and isinstance(model.module, MPPipeline):

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
+from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import average_gradients
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
-from ..parallel.pipelining import PipelineModule, global_loss
+from ..parallel.pipelining import PipelineModule, evaluate, global_loss
 from .base import Backward, Context, LossFn
 
 DEFAULT_PP_SIZE = 2
@@ -90,11 +91,13 @@ class DataPipeline:
 
         cfg = ctx.config
         dp, pp = dp_pp(ctx)
+        model = for_replicas(model, cfg.batchnorm, ctx.device, dp, False, "strategy 'ddp+pp'")
         mesh = init_device_mesh(ctx.device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
         pipe = PipelineModule(
             model, schedule=cfg.schedule, pp_rank=mesh.get_local_rank("pp"), pp=pp,
             per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
             balance=cfg.balance, example=example, group=mesh.get_group("pp"), strategy=self.name,
+            batchnorm=cfg.batchnorm,
         )
         return _Replicas(pipe, mesh.get_group("dp"), dp)
 
@@ -114,6 +117,9 @@ class DataPipeline:
         if model.sync:
             average_gradients(model.pipe.parameters(), model.dp_group, model.dp)
         return global_loss(local, model.dp, ctx.device)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.pipe.holds() if isinstance(model, _Replicas) else model

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from ..parallel.data_parallel import forward_backward
+from ..parallel.data_parallel import evaluate, forward_backward
 from .base import Backward, Context, LossFn
 
 
@@ -49,6 +49,9 @@ class DataParallel:
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
                          ctx: Context) -> torch.Tensor:
         return forward_backward(model, inputs, targets, loss_fn, backward)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from ..parallel.data_parallel import apply_fsdp, forward_backward, set_fsdp_sync
+from ..parallel.batchnorm import for_replicas
+from ..parallel.data_parallel import apply_fsdp, evaluate, forward_backward, set_fsdp_sync
 from .base import Backward, Context, LossFn
 
 
@@ -37,6 +38,8 @@ class FSDP:
         return [ctx.device]
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
+        model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
+                             "strategy 'fsdp'")
         return apply_fsdp(model.to(ctx.device))
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
@@ -48,6 +51,9 @@ class FSDP:
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
                          ctx: Context) -> torch.Tensor:
         return forward_backward(model, inputs, targets, loss_fn, backward)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model

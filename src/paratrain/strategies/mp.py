@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
+from ..parallel.data_parallel import evaluate
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.mp_pipeline import MPPipeline, train_step
 from ..parallel.options import check_balance_entries
@@ -50,7 +51,7 @@ class ModelParallel:
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         cfg = ctx.config
-        return MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example)
+        return MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example, batchnorm=cfg.batchnorm)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1
@@ -63,6 +64,9 @@ class ModelParallel:
         if not isinstance(model, MPPipeline):
             raise ParatrainError("strategy 'mp': pass the model returned by run.prepare to forward_backward")
         return train_step(model, model, inputs, targets, loss_fn, backward).detach().float()
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.model if isinstance(model, MPPipeline) else model

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import ParatrainError
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
-from ..parallel.pipelining import PipelineModule, global_loss
+from ..parallel.pipelining import PipelineModule, evaluate, global_loss
 from .base import Backward, Context, LossFn
 
 
@@ -51,7 +51,7 @@ class Pipeline:
         return PipelineModule(
             model, schedule=cfg.schedule, pp_rank=ctx.placement.rank, pp=ctx.placement.world_size,
             per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
-            balance=cfg.balance, example=example, strategy=self.name,
+            balance=cfg.balance, example=example, strategy=self.name, batchnorm=cfg.batchnorm,
         )
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
@@ -65,6 +65,9 @@ class Pipeline:
         if not isinstance(model, PipelineModule):
             raise ParatrainError("strategy 'pp': pass the model returned by run.prepare to forward_backward")
         return global_loss(model(inputs, targets, loss_fn, ctx.config.grad_accum), 1, ctx.device)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.holds() if isinstance(model, PipelineModule) else model
