@@ -237,6 +237,7 @@ class Run:
 
 def setup(**kwargs: Any) -> Run:
     """Read the launch environment, start the process group the strategy needs, and return the `Run`."""
+    runtime.install_error_file_hook()  # first: a bad option is then reported by the launcher like any error
     config = make_config(kwargs)
     placement = runtime.read_placement()
     if config.strategy == "auto":
@@ -245,7 +246,6 @@ def setup(**kwargs: Any) -> Run:
     device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
     ctx = Context(config=config, placement=placement, device=device)
     strategy.check(ctx)
-    runtime.install_error_file_hook()
     if strategy.needs_process_group or placement.world_size > 1:
         backend = runtime.pick_backend(config.backend, device)
         timeout = config.timeout_s or runtime.default_timeout_s()
