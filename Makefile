@@ -10,8 +10,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook]' 2>&1 | grep -v "is ignored" || true
-	$(PY) -c "import paratrain, torch, matplotlib, pytest" 
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook,cluster]' 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes" 
 	touch $(STAMP)
 
 lint: setup

@@ -2,10 +2,11 @@
 # A two-node Slurm cluster on this one machine, for the tests: slurmctld plus two slurmd (n1, n2) on
 # loopback, each on its own port, node names resolving to 127.0.0.1. Idempotent: installs Debian's
 # slurm-wlm and munge when missing, starts only what is not running, and returns once `sinfo` shows
-# both nodes idle (exit 1 with the daemons' logs after a timeout). Needs root and apt.
+# both nodes idle (exit 1 with the daemons' logs after a timeout). Installing needs root and apt-get:
+# without them it exits 2, which the tests take as "no Slurm here" (outside CI).
 #
-#   tests/cluster/slurm_up.sh            # then: export SLURM_CONF=/tmp/paratrain-slurm/slurm.conf
-#   tests/cluster/slurm_up.sh --down     # stop the daemons it started
+#   tests/cluster/slurm_up.sh            # prints the config path: export SLURM_CONF=/tmp/paratrain-slurm/slurm.conf
+#   tests/cluster/slurm_up.sh --down     # stop slurmctld and the two slurmd (munged stays up)
 #
 # Everything lives under $PARATRAIN_SLURM_DIR (default /tmp/paratrain-slurm); no file under /etc/slurm is
 # touched, so a real Slurm installation on the machine is left alone.
