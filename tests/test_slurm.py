@@ -22,6 +22,7 @@ SLURM_UP = ROOT / "tests" / "cluster" / "slurm_up.sh"
 TRAIN = ROOT / "tests" / "cluster" / "train.py"
 VENV_BIN = Path(sys.executable).parent
 LIMIT = "3"  # minutes: Slurm itself ends a job step that a broken test would leave running
+pytestmark = pytest.mark.timeout(420)  # the first test also installs and starts Slurm on a fresh machine
 
 
 @pytest.fixture(scope="module")
