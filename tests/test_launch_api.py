@@ -246,3 +246,20 @@ def test_bad_launch_input_is_refused_before_anything_starts(monkeypatch: pytest.
     lock = threading.Lock()
     with pytest.raises(ParatrainError, match="cannot be sent to the workers .*lock.*create such objects inside"):
         paratrain.launch(lambda: lock.locked(), nproc=2)
+
+
+def _split_one_sample() -> None:
+    run = paratrain.setup(strategy="ddp")
+    run.per_worker_batch(1)  # one sample over two workers: every rank raises the same ParatrainError
+
+
+def test_an_error_every_rank_raises_is_told_once(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(paratrain.WorkerFailed) as failed:
+        paratrain.launch(_split_one_sample, nproc=2, timeout=120)
+    message = str(failed.value)
+    assert message.startswith("worker ranks 0, 1 of 2 failed with the same error; all workers were stopped:\n"
+                              "Traceback"), message
+    assert message.count("global batch 1 cannot be split evenly over 2") == 1, message
+    assert message.endswith("use a global batch that is a multiple of 2 (e.g. 2)")  # the reason stays last
+    output = capfd.readouterr()
+    assert "global batch 1" not in output.out + output.err  # the workers leave it to the launcher

@@ -238,6 +238,7 @@ class Run:
 
 def setup(**kwargs: Any) -> Run:
     """Read the launch environment, start the process group the strategy needs, and return the `Run`."""
+    runtime.install_error_file_hook()  # first: a bad option is then reported by the launcher like any error
     config = make_config(kwargs)
     placement = runtime.read_placement()
     if config.strategy == "auto":
@@ -246,7 +247,6 @@ def setup(**kwargs: Any) -> Run:
     device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
     ctx = Context(config=config, placement=placement, device=device, gpus=runtime.cuda_count())
     strategy.check(ctx)
-    runtime.install_error_file_hook()
     timeout = config.timeout_s or runtime.default_timeout_s()
     if strategy.needs_process_group or placement.world_size > 1:
         runtime.init_process_group(placement, runtime.pick_backend(config.backend, device), config.init, timeout,
