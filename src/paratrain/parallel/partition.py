@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..errors import ParatrainError
 from . import randomness
@@ -40,6 +41,12 @@ class Stage(nn.Module):
         self._chain = [module for _, module in layers]  # a plain list: registration happens below, by name
         for name, module in layers:
             _register(self, name, module)
+        self.inputs_spec: Any = None
+        """Set on a first stage that receives its input as flat tensors (a multi-process pipeline sends
+        tensors only): the input's structure, rebuilt before the first layer."""
+        self.outputs_spec: Any = None
+        """Set (to a placeholder) on a last stage that must return tensors only: the output's structure,
+        recorded at each forward so the loss and the caller get the output as the model returns it."""
         self.row_cursor: int | None = None
         """Set by a pipeline whose schedule runs this stage's micro-batches in order: the next one's first
         row within the step's batch, so dropout masks follow the rows wherever they run."""
@@ -62,14 +69,25 @@ class Stage(nn.Module):
         # may not modify a leaf, but may modify a copy, and gradients flow through the copy unchanged.
         args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
                      for a in args)
-        out = args[0] if len(args) == 1 else args
+        if self.inputs_spec is not None:
+            out = pytree.tree_unflatten(list(args), self.inputs_spec)
+        else:
+            out = args[0] if len(args) == 1 else args
         rows = randomness.rows_offset(self.row_cursor) if self.row_cursor is not None else nullcontext()
         with rows:
             if self.row_cursor is not None:
                 self.row_cursor += batch_size(out)
             for module in self._chain:
                 out = module(out)
+        if self.outputs_spec is not None:
+            leaves, self.outputs_spec = pytree.tree_flatten(out)
+            return tuple(leaves)
         return out
+
+    def rebuild(self, leaves: Any) -> Any:
+        """The output as the model returns it, from what a flattening last stage returned."""
+        flat = list(leaves) if isinstance(leaves, list | tuple) else [leaves]
+        return pytree.tree_unflatten(flat, self.outputs_spec)
 
 
 def _register(owner: nn.Module, name: str, module: nn.Module) -> None:
@@ -91,6 +109,12 @@ def _merge(into: nn.Module, other: nn.Module) -> None:
     """Two segments may both hold parents of the same path (`blocks` for blocks.0 and blocks.1)."""
     if into is other:
         return
+    for name, param in other._parameters.items():
+        if name not in into._parameters and param is not None:
+            into.register_parameter(name, param)
+    for name, buf in other._buffers.items():
+        if name not in into._buffers and buf is not None:
+            into.register_buffer(name, buf, persistent=name not in other._non_persistent_buffers_set)
     for name, child in other.named_children():
         if name not in into._modules:
             into.add_module(name, child)

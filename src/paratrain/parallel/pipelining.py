@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .._tree import map_tensors
 from ..collectives import max_over_world, mean_over_world
@@ -38,6 +39,7 @@ from .microbatch import batch_size, check_even, divisors, split
 from .options import check_layout, example_needed
 from .partition import Stage, layers_of, merged, split_into_stages
 from .plan import Plan
+from .tied import TiedGradients
 from .trial import step_time
 from .tuning import tune_microbatches
 
@@ -89,6 +91,8 @@ class PipelineModule(nn.Module):
         self._loss_scale = 1
         self._loss_saved = 0
         self._meter: Any = None
+        self.sync = True
+        """False inside an accumulation window (pp): tied gradients are summed only when it ends."""
         self._defer_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
         self.local = self._split(model, balance, example)
         self._registered = nn.ModuleList(self.local)
@@ -109,7 +113,12 @@ class PipelineModule(nn.Module):
         balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample,
                                         agree=lambda v: mean_over_world(v, self.device))
         stages = split_into_stages(layers, balance)
+        owner = {i: r for r in range(self.pp) for i in stage_indices(self.schedule_name, r, self.pp, self.per_worker)}
+        self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
         local = [stages[i].to(self.device) for i in self.ids]
+        for stage in local:
+            if stage.index == self.num_stages - 1:
+                stage.outputs_spec = True  # torch sends and merges tensors only; the structure is put back
         mine = {id(p) for s in local for p in s.parameters()}
         for p in model.parameters():
             if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
@@ -120,6 +129,11 @@ class PipelineModule(nn.Module):
         self.plan.note(describe(balance, costs, requested))
         return local
 
+    def reduce_tied_gradients(self) -> None:
+        """At the end of an accumulation window: tied parameters' gradients summed over their holders."""
+        if self.tied:
+            self.tied.reduce(self.device)
+
     def holds(self) -> nn.Module:
         """This worker's layers under their original names (what `unwrap` returns)."""
         return merged(self.local)
@@ -128,7 +142,7 @@ class PipelineModule(nn.Module):
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
         meter, before = self._meter, self._meter.current if self._meter else 0
-        loss = self._loss_fn(output, target)
+        loss = self._loss_fn(self._last().rebuild(output), target)
         if meter is not None:  # what the loss keeps for backward belongs to the last stage's micro-batch
             self._loss_saved = max(self._loss_saved, meter.current - before)
         return loss / self._loss_scale
@@ -158,6 +172,20 @@ class PipelineModule(nn.Module):
             self._schedules[key] = (sched, stages)
         return self._schedules[key]
 
+    def _flat_inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        """The first stage receives tensors only: the inputs' tensors, rebuilt into their structure there."""
+        leaves, spec = pytree.tree_flatten(inputs)
+        if any(not isinstance(x, torch.Tensor) or not x.dim() for x in leaves):
+            raise ParatrainError(
+                f"strategy {self.plan.strategy!r}: pipeline inputs must be tensors with a batch dimension (or "
+                f"dicts, tuples and lists of them); got {[type(x).__name__ for x in leaves]}. Pass other values "
+                "as constants inside the model"
+            )
+        for stage in self.local:
+            if stage.index == 0:
+                stage.inputs_spec = spec
+        return tuple(leaves)
+
     def _run(self, inputs: Any, targets: Any, microbatches: int, loss_scale: int) -> torch.Tensor | None:
         sched, stages = self._schedule(microbatches, inputs)
         for stage in self.local:
@@ -171,7 +199,7 @@ class PipelineModule(nn.Module):
         if _takes_return_outputs(sched):
             kwargs["return_outputs"] = False
         self._loss_scale = microbatches * loss_scale  # mean over micro-batches and micro-steps
-        sched.step(*((inputs,) if first else ()), **kwargs)
+        sched.step(*(self._flat_inputs(inputs) if first else ()), **kwargs)
         if not last:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).sum() * loss_scale
@@ -223,10 +251,15 @@ class PipelineModule(nn.Module):
             kwargs.update(target=targets, losses=losses)
         self._loss_fn, self._loss_scale = loss_fn, m
         first = any(s.is_first for s in stages)
-        out = sched.eval(*((inputs,) if first else ()), **kwargs)
+        out = sched.eval(*(self._flat_inputs(inputs) if first else ()), **kwargs)
         if not last:
             return None
-        return torch.stack([loss.detach().float() for loss in losses]).sum() if loss_fn is not None else out
+        if loss_fn is not None:
+            return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return self._last().rebuild(out)
+
+    def _last(self) -> Stage:
+        return next(s for s in self.local if s.index == self.num_stages - 1)
 
     def candidates(self, batch: int) -> list[int]:
         """Micro-batch counts this schedule accepts for `batch` (equal micro-batches only)."""
