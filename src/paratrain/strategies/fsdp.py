@@ -1,8 +1,11 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over data-parallel ranks.
 
-Each child module that owns parameters becomes one FSDP unit (its parameters are all-gathered just
-before it runs and freed after), then the root is sharded too. Gradients are reduce-scattered and
-averaged, so training matches DDP and the single-process run at the same global batch.
+Units follow the model's blocks (see `parallel.fsdp`): each block of a `ModuleList`/`Sequential` is
+gathered just before it runs and freed after; embeddings, final norm, head and tied weights stay in
+the root unit. Gradients are reduce-scattered and averaged, so training matches DDP and the
+single-process run at the same global batch. With precision="bf16" the parameters are gathered and
+computed in bfloat16 (FSDP2's MixedPrecisionPolicy) under autocast, and reduced and updated in
+float32 (numerics in docs/usage.md).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from ..parallel.data_parallel import apply_fsdp, forward_backward, set_fsdp_sync
+from ..parallel.data_parallel import forward_backward
+from ..parallel.fsdp import apply_fsdp, set_fsdp_sync
 from .base import Backward, Context, LossFn
 
 
@@ -37,7 +41,7 @@ class FSDP:
         return [ctx.device]
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        return apply_fsdp(model.to(ctx.device))
+        return apply_fsdp(model.to(ctx.device), precision=ctx.config.precision)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return ctx.placement.rank, ctx.placement.world_size
