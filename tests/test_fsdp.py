@@ -262,7 +262,7 @@ def _steps_diff(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_fsdp_trains_like_a_plain_loop(nproc: int, references: dict[str, dict[str, list[Any]]]) -> None:
-    results = paratrain.launch(_all_cases, nproc=nproc, timeout=220, all_ranks=True)
+    results = paratrain.launch(_all_cases, nproc=nproc, timeout=220, accelerator="cpu", all_ranks=True)
     bf16_ref = reference("gpt", world=nproc, bf16=True)
     gpt_names = sorted(GPT().state_dict())
     for rank_results in results:
@@ -366,7 +366,7 @@ def _refusals() -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_models_fsdp_cannot_shard_are_refused_at_prepare() -> None:
-    container, half_block, half_root, sharded = paratrain.launch(_refusals, nproc=1, timeout=50)
+    container, half_block, half_root, sharded = paratrain.launch(_refusals, nproc=1, timeout=50, accelerator="cpu")
     assert "the model is a ModuleList, which has no forward; pass the module whose forward" in container
     assert "unit 'blocks.0' of GPT mixes parameter dtypes" in half_block and "torch.bfloat16" in half_block
     assert "model.float()" in half_block and "precision='bf16'" in half_block
@@ -397,7 +397,7 @@ def _fp16_overflow_in_one_shard() -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_fp16_overflow_in_one_rank_shard_skips_the_step_on_every_rank() -> None:
-    rank0, rank1 = paratrain.launch(_fp16_overflow_in_one_shard, nproc=2, timeout=50, all_ranks=True)
+    rank0, rank1 = paratrain.launch(_fp16_overflow_in_one_shard, nproc=2, timeout=50, accelerator="cpu", all_ranks=True)
     assert rank0["finite"][0] and not rank1["finite"][0]  # the overflow is in rank 1's shard only ...
     assert rank0["scales"] == rank1["scales"] and rank0["scales"][0] == 2.0**15  # ... yet both back off
     assert rank0["moved"][0] == 0.0  # and neither rank stepped its shard
@@ -465,10 +465,10 @@ def _resume(ckpt: str, strategy: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(200)
 def test_sharded_checkpoint_resumes_on_another_world_size_and_under_single(tmp_path: Path) -> None:
-    saved = paratrain.launch(_save_then_continue, str(tmp_path), nproc=2, timeout=90)
+    saved = paratrain.launch(_save_then_continue, str(tmp_path), nproc=2, timeout=90, accelerator="cpu")
     assert (tmp_path / "step-000000002" / "model" / ".metadata").exists()
-    three = paratrain.launch(_resume, str(tmp_path), "fsdp", nproc=3, timeout=90)
-    one = paratrain.launch(_resume, str(tmp_path), "single", nproc=1, timeout=60)
+    three = paratrain.launch(_resume, str(tmp_path), "fsdp", nproc=3, timeout=90, accelerator="cpu")
+    one = paratrain.launch(_resume, str(tmp_path), "single", nproc=1, timeout=60, accelerator="cpu")
     for resumed in (three, one):
         assert resumed["tied"]
         assert max_diff(resumed["weights"], saved["weights"]) == 0.0
@@ -524,7 +524,7 @@ def test_hugging_face_gpt2_with_tied_embeddings() -> None:
         optimizer.step()
         optimizer.zero_grad()
         expected.append(full_state(model))
-    got = paratrain.launch(_gpt2_fsdp, nproc=2, timeout=180)
+    got = paratrain.launch(_gpt2_fsdp, nproc=2, timeout=180, accelerator="cpu")
     assert got["units"] == ["", "transformer.h.0", "transformer.h.1"] and got["tied"]
     assert _steps_diff(got["weights"], expected) < 1e-6
     assert max_diff(got["weights"][-1], full_state(_gpt2())) > 1e-2
