@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..errors import ParatrainError
+from ..parallel import randomness
 from .order import Epoch, read_order
 from .plan import ONE, Batch, Layout, Weight, batch_ends, check_epoch, evaluation_batches, replica_batches
 
@@ -124,6 +125,7 @@ class ShardedLoader:
                     self.consumed = item.end
                 self._stamp, self._weight = next(_STAMPS), item.weight
                 self._unclaimed += 1
+                randomness.set_rows_before(item.rows_before)
                 yield batch
         self._weight = ONE
         if not self.evaluation:

@@ -46,6 +46,8 @@ class Batch:
     end: int
     """Position in the epoch's order after this global batch (what a checkpoint records as consumed)."""
     weight: Weight = ONE
+    rows_before: int = 0
+    """Rows of the global batch in the shares of replicas before this one (dropout masks follow rows)."""
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,13 @@ def replica_batches(order: list[Any], ends: list[int], consumed: int, layout: La
     for i, (lo, hi) in enumerate(zip(starts, ends)):
         if hi <= consumed:
             continue
-        share = split_evenly(order[lo:hi], r)[layout.replica]
+        shares = split_evenly(order[lo:hi], r)
+        share = shares[layout.replica]
         first = i // accum * accum
         window = sum(sizes[first : first + accum])
         weight = Weight(len(share) * r * accum / window, sizes[i] * accum / window)
-        out.append(Batch(share, hi, ONE if weight == ONE else weight))
+        before = sum(len(s) for s in shares[: layout.replica])
+        out.append(Batch(share, hi, ONE if weight == ONE else weight, before))
     return out
 
 
