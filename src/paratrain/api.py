@@ -21,7 +21,8 @@ from .config import Config, make_config
 from .data import ShardedLoader, claim_weight
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
-from .parallel.randomness import apply_layout_dropout, set_seed
+from .parallel.microbatch import batch_size
+from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
 from .precision import apply_autocast, make_scaler
 from .step import PreparedOptimizer, Step, rebind
 from .strategies.base import Context, LossFn, Strategy
@@ -141,6 +142,9 @@ class Run:
         if not torch.is_grad_enabled():
             return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
         weight = claim_weight(self._loaders)
+        if not self._loaders:  # no sharded loader says where this rank's rows start in the global batch
+            replica, _ = self.strategy.data_shard(self.ctx)
+            set_rows_before(replica * batch_size(inputs))
         with self._watch.op_scope("forward_backward"), self.step.micro(model):
             loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
                                                   self.ctx)

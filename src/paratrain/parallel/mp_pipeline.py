@@ -97,6 +97,7 @@ class MPPipeline(nn.Module):
     def forward(self, inputs: Any) -> Any:
         k = len(self.stages)
         m = self.microbatches if isinstance(self.microbatches, int) else 1  # "auto" before it is resolved
+        m = min(m, batch_size(inputs))  # a short batch: no empty micro-batches
         chunks = split(inputs, m) if m > 1 else [inputs]
         m = len(chunks)
         starts = [0]

@@ -19,6 +19,7 @@ Averaging over data-parallel replicas is not this module's business: `ddp+pp` do
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,6 +45,21 @@ from .trial import step_time
 from .tuning import tune_microbatches
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@functools.cache
+def _pipeline_stage_class() -> type:
+    """torch's PipelineStage, whose shape-learning forward (metadata inference, before the first real
+    micro-batch) leaves our stages' per-step state alone."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class QuietStage(PipelineStage):  # type: ignore[misc]
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            stage: Stage = self.submod  # type: ignore[assignment]
+            with stage.unobserved():
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+    return QuietStage
 
 
 def _schedule_class(name: str, per_worker: int) -> type:
@@ -119,6 +135,8 @@ class PipelineModule(nn.Module):
         for stage in local:
             if stage.index == self.num_stages - 1:
                 stage.outputs_spec = True  # torch sends and merges tensors only; the structure is put back
+            else:
+                stage.sends = True
         mine = {id(p) for s in local for p in s.parameters()}
         for p in model.parameters():
             if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
@@ -150,9 +168,7 @@ class PipelineModule(nn.Module):
     def _schedule(self, microbatches: int, inputs: Any, training: bool = True, loss: bool = True) -> Any:
         key = (microbatches, _signature(inputs), training, loss)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
-
-            stages = [PipelineStage(stage, i, self.num_stages, self.device, group=self.group)
+            stages = [_pipeline_stage_class()(stage, i, self.num_stages, self.device, group=self.group)
                       for stage, i in zip(self.local, self.ids)]
             # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
             name = self.schedule_name if training or self.per_worker > 1 else "gpipe"
@@ -233,14 +249,7 @@ class PipelineModule(nn.Module):
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
         wanted = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
-        fits = [m for m in divisors(batch) if m <= wanted and (self.per_worker == 1 or m % self.pp == 0)]
-        if not fits:
-            raise ParatrainError(
-                f"strategy {self.plan.strategy!r}: an evaluation batch of {batch} rows cannot be cut into whole "
-                f"rounds of {self.pp} micro-batches for {self.per_worker} stages per worker; evaluate batches "
-                f"whose size is a multiple of {self.pp}"
-            )
-        m = max(fits)
+        m = max(d for d in divisors(batch) if d <= wanted)
         sched, stages = self._schedule(m, inputs, training=False, loss=loss_fn is not None)
         for stage in self.local:
             stage.row_cursor = None
