@@ -10,7 +10,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook]' 2>&1 | grep -v "is ignored" || true
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook,plan]' 2>&1 | grep -v "is ignored" || true
 	$(PY) -c "import paratrain, torch, matplotlib, pytest" 
 	touch $(STAMP)
 
