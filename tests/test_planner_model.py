@@ -121,13 +121,14 @@ def test_memory_of_data_parallel_layouts() -> None:
     prof, c = _profile(), _cluster()
     params = prof.params
     single = predict.predict(prof, Layout(strategy="single"), c, 16).memory
-    assert (single.params, single.grads, single.optimizer) == (4 * params, 4 * params, 8 * params)  # Adam: 16 B
+    # Adam: two float32 states and the temporary its step makes
+    assert (single.params, single.grads, single.optimizer) == (4 * params, 4 * params, 12 * params)
     assert single.activations == pytest.approx((8 * 100 + 2 * 50) * 16)
     ddp = predict.predict(prof, Layout(strategy="ddp", dp=4), c, 16).memory
     assert ddp.buffers == 4 * params  # DDP's buckets copy the gradients
     assert ddp.activations == pytest.approx((8 * 100 + 2 * 50) * 4)
     fsdp = predict.predict(prof, Layout(strategy="fsdp", dp=4), c, 16).memory
-    assert (fsdp.params, fsdp.optimizer) == (params, 2 * params)  # sharded four ways
+    assert (fsdp.params, fsdp.optimizer) == (params, 3 * params)  # sharded four ways
     sgd = predict.predict(prof, Layout(strategy="single"), c, 16, optimizer="sgd").memory
     assert sgd.optimizer == 0
 
@@ -218,7 +219,7 @@ def test_search_prunes_a_1024_gpu_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     assert best.fits and best.layout.devices == 1024
     assert [p.step_s for p in found if p.fits] == sorted(p.step_s for p in found if p.fits)
     ddp = next(p for p in found if p.layout.strategy == "ddp")
-    assert not ddp.fits and "alone need" in ddp.reason  # 16 B/parameter of 5.3 B parameters > 80 GB
+    assert not ddp.fits and "alone need" in ddp.reason  # 20 B/parameter of 5.3 B parameters > 80 GB
     assert 0.1 < best.mfu < 0.6 and best.tokens_per_s > 0 and math.isfinite(best.step_s)
 
 
@@ -236,3 +237,41 @@ def test_profile_measures_flops_memory_and_times_of_each_layer() -> None:
     assert set(first.seconds) == {2, 4} and all(f > 0 and b > 0 for f, b in first.seconds.values())
     assert prof.optimizer_s_per_param and prof.optimizer_s_per_param > 0
     json.dumps(prof.as_dict())
+
+
+# -- validation bookkeeping (the runner replaced at its one seam) -------------------------------------
+
+
+def test_validation_covers_the_named_layouts_and_scores_them_against_a_runner() -> None:
+    from paratrain.planner import validate
+
+    layouts = validate.local_layouts()
+    labels = [layout.label for layout in layouts]
+    assert labels[:3] == ["single", "ddp 2", "fsdp 2"]
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+        assert sorted(x.microbatches for x in layouts if x.schedule == schedule and x.strategy == "pp") == [1, 2, 4, 8]
+    assert {"mp 2 (M=1)", "ddp+pp 2x2 (1f1b, M=2)"} <= set(labels)
+    assert max(x.processes for x in layouts) == 4
+
+    local = _cluster(kind="cpu", devices_per_node=2, nodes=1, measured_here=True)
+    prof = _profile(layers=3)  # 3 layers: the 4-stage interleaved layouts cannot run
+    chosen = [x for x in layouts if x.label in ("single", "ddp 2", "pp 2 (interleaved-1f1b, V=2, M=2)")]
+    ran: list[str] = []
+
+    def runner(layout: Layout, cluster: clusters.Cluster, settings: validate.Settings) -> validate.Measured:
+        ran.append(layout.label)
+        guess = predict.predict(prof, layout, cluster, settings.batch)
+        return validate.Measured(step_s=guess.step_s * (1.1 if layout.strategy == "ddp" else 1.0),
+                                 peak_bytes=guess.memory.total * 0.95)
+
+    settings = validate.Settings(workload="chain", batch=8)
+    records = validate.run(prof, local, settings, chosen, measure=runner, say=lambda text: None)
+    assert ran == ["single", "ddp 2"]
+    by = {r["layout"]: r for r in records}
+    assert by["pp 2 (interleaved-1f1b, V=2, M=2)"]["status"] == "cannot-run"
+    assert by["ddp 2"]["step_error"] == pytest.approx(1 / 1.1 - 1)
+    assert by["single"]["memory_error"] == pytest.approx(1 / 0.95 - 1)
+    summary = validate.summary(records)
+    assert summary["layouts"] == 2 and summary["step_worst_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    with pytest.raises(ParatrainError, match="--cluster local"):
+        validate.run(prof, _cluster(), settings, chosen, measure=runner)

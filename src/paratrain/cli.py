@@ -44,7 +44,8 @@ def _plan(ns: argparse.Namespace) -> int:
     from .planner.command import PlanRequest, main
 
     request = PlanRequest(
-        workload=ns.model or ns.workload, global_batch=ns.global_batch, cluster=ns.cluster, precision=ns.precision,
+        workload=ns.model or ns.workload, global_batch=ns.global_batch, cluster=ns.cluster, devices=ns.devices,
+        precision=ns.precision,
         optimizer=ns.optimizer, top=ns.top, out=ns.out, validate=ns.validate,
         strategies=tuple(s.strip() for s in ns.strategies.split(",") if s.strip()), steps=ns.steps,
         warmup=ns.warmup, repeat=ns.repeat, timeout_s=ns.timeout,
@@ -65,6 +66,7 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
                    help="samples per optimizer step (default: the workload's)")
     p.add_argument("--cluster", default="local",
                    help="local (this machine, measured), h100-nvlink, h100-ib, or a YAML/JSON spec file")
+    p.add_argument("--devices", type=int, default=None, help="plan for this many of the cluster's devices")
     p.add_argument("--precision", default="32", choices=["32", "bf16", "16"])
     p.add_argument("--optimizer", default="adam", choices=["adam", "momentum", "sgd"])
     p.add_argument("--strategies", default="single,ddp,fsdp,pp,ddp+pp,mp", help="strategies to consider")

@@ -3,9 +3,11 @@
 Two CPU workers (one thread each, as `paratrain run` starts them) time every collective the strategies
 use over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha and beta are fitted per
 collective (`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is
-almost all schedule overhead (sends, receives, Python), and report their resident memory before any
-model, the floor every worker's measured peak includes. One core times matrix products of growing size
-for its peak rate and efficiency curve, and a large copy for its memory bandwidth.
+almost all schedule overhead (sends, receives, Python), and report their resident memory once torch's
+dense kernels have run (code and math-library workspaces resident, no model): the floor every
+worker's measured peak includes. One core times matrix products of growing size for its peak rate
+and efficiency curve, and a large copy for its memory bandwidth; one process times paratrain's loop
+against the bare one.
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ def _pipeline_step(repeats: int) -> float:
     return _timed(lambda: run.forward_backward(model, x, y, loss), repeats)
 
 
+def _warm_dense_kernels() -> None:
+    """One small training step of a dense layer: the math library's code and workspaces become resident, as
+    in every worker that trains, so the floor measured after it is the floor a real worker starts from."""
+    layer = torch.nn.Linear(512, 512)
+    opt = torch.optim.Adam(layer.parameters())
+    torch.nn.functional.mse_loss(layer(torch.randn(256, 512)), torch.randn(256, 512)).backward()
+    opt.step()
+
+
 def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """Runs in each of the calibration workers; rank 0's answer is the measurement."""
     import torch.distributed as dist
@@ -86,6 +97,7 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     from ..collectives import max_over_world
 
     pipeline = _pipeline_step(repeats)  # starts the process group through paratrain.setup
+    _warm_dense_kernels()
     resident = resident_bytes()
     sweep: dict[str, list[tuple[int, float]]] = {}
     for kind in COLLECTIVES:
@@ -112,6 +124,37 @@ def _matmul_curve(repeats: int = 3) -> tuple[float, list[list[float]]]:
             rates.append((2.0 * n**3, 2.0 * n**3 / seconds))
     best = max(r for _, r in rates)
     return best, [[flops, round(rate / best, 4)] for flops, rate in rates]
+
+
+def _framework_overhead(repeats: int = 20) -> float:
+    """Seconds a `run.forward_backward` + prepared optimizer step adds over the bare loop (tiny model, one
+    process, `single`): the hooks and wrappers every strategy's step goes through."""
+    import paratrain
+
+    x, y, loss = torch.randn(4, 8), torch.randn(4, 8), torch.nn.MSELoss()
+    bare = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(bare.parameters(), lr=1e-3)
+
+    def plain() -> None:
+        loss(bare(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = paratrain.setup(strategy="single", accelerator="cpu", timeout_s=60)
+    try:
+        model, prepared = run.prepare(torch.nn.Linear(8, 8), torch.optim.SGD(bare.parameters(), lr=1e-3))
+
+        def wrapped() -> None:
+            run.forward_backward(model, x, y, loss)
+            prepared.step()
+            prepared.zero_grad()
+
+        with _threads(1):
+            base = min(_timed(plain, 1) for _ in range(repeats))
+            through = min(_timed(wrapped, 1) for _ in range(repeats))
+    finally:
+        run.close()
+    return max(0.0, through - base)
 
 
 def _memory_bandwidth() -> float:
@@ -167,5 +210,6 @@ def measure(timeout: float = 300.0, repeats: int = 5, sizes: tuple[int, ...] = S
         memory_bandwidth=_memory_bandwidth(), intra=loopback, inter=loopback,
         efficiency=tuple((x, y) for x, y in curve),
         overlap=0.0, process_bytes=float(found["resident_bytes"]), reserved=0.0, action_overhead=action,
+        step_overhead=_framework_overhead(),
         collectives=collectives, measured_here=True,
     )

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,9 @@ class Cluster:
     """Memory the model cannot use beyond `process_bytes` (CUDA context, NCCL buffers, fragmentation)."""
     action_overhead: float = 0.0
     """Seconds of runtime overhead per pipeline action (scheduling, sends, Python) not hidden by compute."""
+    step_overhead: float = 0.0
+    """Seconds paratrain's loop adds per `run.forward_backward` call beyond the model (hooks, wrappers):
+    measured here, 0 on GPUs where the host runs ahead of the device."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Fitted (alpha, beta) per collective on one node, when measured here; overrides the intra link."""
     measured_here: bool = False
@@ -123,7 +126,8 @@ class Cluster:
             "intra_node": _link_spec(self.intra), "inter_node": _link_spec(self.inter),
             "efficiency": [list(p) for p in self.efficiency], "overlap": self.overlap,
             "process_gib": self.process_bytes / GIB, "reserved_gib": self.reserved / GIB,
-            "action_overhead_us": self.action_overhead * 1e6, "measured_here": self.measured_here,
+            "action_overhead_us": self.action_overhead * 1e6, "step_overhead_us": self.step_overhead * 1e6,
+            "measured_here": self.measured_here,
         }
         if self.collectives:
             spec["collectives"] = {k: {"alpha_us": a * 1e6, "beta_s_per_gb": b * GB}
@@ -156,8 +160,8 @@ def _link(spec: Any, where: str, default: Link) -> Link:
 def from_spec(spec: Mapping[str, Any]) -> Cluster:
     """A `Cluster` from the file format; every problem is named with the key to fix."""
     known = {"name", "kind", "description", "devices_per_node", "nodes", "device", "intra_node", "inter_node",
-             "efficiency", "overlap", "process_gib", "reserved_gib", "action_overhead_us", "collectives",
-             "measured_here"}
+             "efficiency", "overlap", "process_gib", "reserved_gib", "action_overhead_us", "step_overhead_us",
+             "collectives", "measured_here"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ParatrainError(f"cluster spec: unknown key(s) {unknown}; known keys: {sorted(known)}")
@@ -199,7 +203,8 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
         intra=intra, inter=_link(spec.get("inter_node"), "inter_node", intra),
         efficiency=tuple((float(a), float(b)) for a, b in curve), overlap=overlap,
         process_bytes=_number(spec, "process_gib", 0, "") * GIB, reserved=_number(spec, "reserved_gib", 0, "") * GIB,
-        action_overhead=_number(spec, "action_overhead_us", 0, "") * 1e-6, collectives=collectives,
+        action_overhead=_number(spec, "action_overhead_us", 0, "") * 1e-6,
+        step_overhead=_number(spec, "step_overhead_us", 0, "") * 1e-6, collectives=collectives,
         measured_here=bool(spec.get("measured_here", False)),
     )
 
@@ -231,7 +236,7 @@ def read_file(path: Path) -> dict[str, Any]:
 # about 55% of peak (matrix products near 70%, normalisation and activations memory-bound).
 _H100_DEVICE = {"peak_tflops": {"32": 67, "bf16": 989, "16": 989}, "memory_gib": 80 * GB / GIB,
                 "memory_bandwidth_gbps": 3350}
-_H100_EFFICIENCY = [[1e8, 0.02], [1e9, 0.10], [1e10, 0.30], [1e11, 0.45], [1e12, 0.52], [1e13, 0.55]]
+_H100_EFFICIENCY = [[1e8, 0.02], [1e9, 0.08], [1e10, 0.25], [1e11, 0.38], [1e12, 0.43], [1e13, 0.45]]
 PRESETS: dict[str, dict[str, Any]] = {
     "h100-nvlink": {
         "name": "h100-nvlink", "kind": "cuda", "description": "one node of 8 H100 SXM GPUs over NVLink/NVSwitch",
@@ -268,6 +273,3 @@ def write(cluster: Cluster, path: Path) -> Path:
     path.write_text(json.dumps(cluster.as_spec(), indent=1) + "\n")
     return path
 
-
-def summary(cluster: Cluster) -> dict[str, Any]:
-    return {**asdict(cluster), "devices": cluster.devices}

@@ -29,6 +29,8 @@ class PlanRequest:
     """Samples per optimizer step (default: the workload's batch)."""
     cluster: str = "local"
     """A preset (local, h100-nvlink, h100-ib) or a YAML/JSON spec file."""
+    devices: int | None = None
+    """Plan for this many of the cluster's devices (default: all)."""
     precision: str = "32"
     optimizer: str = "adam"
     top: int = 10
@@ -103,6 +105,11 @@ def main(request: PlanRequest, say: Say = print) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     cluster = load_cluster(request.cluster, out, say)
+    if request.devices is not None:
+        if not 1 <= request.devices <= cluster.devices:
+            raise ParatrainError(f"--devices {request.devices}: cluster {cluster.name!r} has {cluster.devices} "
+                                 f"devices; use 1..{cluster.devices}")
+        cluster = cluster.resized(request.devices)
     profile, batch = load_profile(request, cluster, say)
     predictions = search.layouts(profile, cluster, batch, precision=request.precision, optimizer=request.optimizer,
                                  strategies=request.strategies)

@@ -49,9 +49,11 @@ class Memory:
 
 
 def model_state(param_bytes: float, params: float, optimizer: str, shard: int = 1) -> Memory:
-    """Parameters, gradients and optimizer state of `params` parameters, divided over `shard` workers."""
+    """Parameters, gradients and optimizer state of `params` parameters, divided over `shard` workers; Adam's
+    step also makes one parameter-sized temporary (the square root of its second moment)."""
     states = OPTIMIZER_STATES[optimizer] * FLOAT32 * params
-    return Memory(params=param_bytes / shard, grads=param_bytes / shard, optimizer=states / shard)
+    temporary = FLOAT32 * params if optimizer == "adam" else 0.0
+    return Memory(params=param_bytes / shard, grads=param_bytes / shard, optimizer=(states + temporary) / shard)
 
 
 def activations(per_sample: float, largest_output_per_sample: float, batch: float) -> float:

@@ -15,6 +15,7 @@ divided by the cores.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ class Prediction:
     layout: Layout
     step_s: float = 0.0
     compute_s: float = 0.0
-    """Forward and backward seconds of the busiest worker."""
+    """Forward and backward seconds of the busiest worker (pipelines: with each action's runtime overhead)."""
     exposed_comm_s: float = 0.0
     """Communication the compute did not hide."""
     bubble: float = 0.0
@@ -115,6 +116,12 @@ def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, opti
     return out
 
 
+def _call_overhead(profile: Profile, cluster: Cluster, layout: Layout) -> float:
+    """Per `run.forward_backward` call: paratrain's loop, and the model's own glue when measured here."""
+    model = profile.step_overhead_s if costs.uses_measurements(profile, cluster, layout.precision) else 0.0
+    return cluster.step_overhead + model
+
+
 def _loss_reduce(cluster: Cluster, layout: Layout) -> float:
     world = Group(layout.devices, layout.devices > cluster.devices_per_node)
     return collective_time(cluster, "all_reduce", LOSS_BYTES, world)
@@ -143,7 +150,7 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
         last = schedules.ddp_backward(bwd, unit, reduce("all_reduce"), cluster.overlap)
         body = (accum - 1) * (sum(fwd) + sum(bwd)) + sum(fwd) + last.end
         exposed = last.exposed
-    call = profile.step_overhead_s if costs.uses_measurements(profile, cluster, layout.precision) else 0.0
+    call = _call_overhead(profile, cluster, layout)
     overhead = accum * (call + (_loss_reduce(cluster, layout) if dp > 1 else 0.0))
     opt = costs.optimizer_time(profile, profile.params / (dp if sharded else 1), cluster, optimizer)
     step = body + overhead + opt
@@ -162,8 +169,8 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
                       memory=mem)
 
 
-def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int, send: Any) -> list[
-        schedules.StageCost]:
+def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int,
+                 send: Callable[[float], float]) -> list[schedules.StageCost]:
     out, start = [], 0
     for count in balance:
         part = range(start, start + count)
@@ -198,8 +205,8 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     grads = max(collective_time(cluster, "all_reduce", n, dp_group) for n in rank_bytes) if dp > 1 else 0.0
     loss = _loss_reduce(cluster, layout) if layout.processes > 1 else 0.0
     opts = [costs.optimizer_time(profile, n, cluster, optimizer) for n in rank_params]
-    step = run.step + grads + loss + max(opts)
-    work = dp * (sum(run.busy) + pp * (grads + loss) + sum(opts))
+    step = run.step + grads + loss + max(opts) + cluster.step_overhead
+    work = dp * (sum(run.busy) + pp * (grads + loss + cluster.step_overhead) + sum(opts))
     largest_output = max(layer.output_bytes for layer in profile.layers) * b
     worst = max(range(pp), key=lambda r: rank_bytes[r] + run.activation_peak[r])
     mem = memory.model_state(rank_bytes[worst], rank_params[worst], optimizer)
@@ -209,7 +216,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     mem.data = profile.sample_bytes * batch / dp
     return Prediction(layout, step_s=_shared_cores(step, work, cluster, layout), compute_s=max(run.busy),
                       exposed_comm_s=grads + loss + run.comm_wait, bubble=run.bubble, optimizer_s=max(opts),
-                      overhead_s=cluster.action_overhead * 2 * per_worker * micro, memory=mem, balance=balance)
+                      overhead_s=cluster.step_overhead, memory=mem, balance=balance)
 
 
 def _serial_pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
@@ -218,7 +225,7 @@ def _serial_pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: 
     b = batch // micro
     lt = costs.times(profile, b, cluster, layout.precision)
     compute = micro * sum(t.forward + t.backward for t in lt)
-    call = profile.step_overhead_s if costs.uses_measurements(profile, cluster, layout.precision) else 0.0
+    call = _call_overhead(profile, cluster, layout)
     opt = costs.optimizer_time(profile, profile.params, cluster, optimizer)
     mem = memory.model_state(profile.param_bytes, profile.params, optimizer)
     mem.activations = memory.activations(sum(layer.activation_bytes for layer in profile.layers) * micro,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 
@@ -128,7 +128,6 @@ class PipelineRun:
     """Bytes of those activations at their peak, per rank."""
     comm_wait: float = 0.0
     """Time the busiest rank spends waiting only on sends (not on the schedule's fill and drain)."""
-    timeline: dict[int, list[tuple[Action, float, float]]] = field(default_factory=dict)
 
     @property
     def bubble(self) -> float:
@@ -147,7 +146,7 @@ def _duration(cost: StageCost, kind: str) -> float:
 
 
 def simulate(order: dict[int, tuple[Action, ...]], costs: Sequence[StageCost], where: dict[int, int],
-             overhead: float = 0.0, overlap: float = 1.0, keep_timeline: bool = False) -> PipelineRun:
+             overhead: float = 0.0, overlap: float = 1.0) -> PipelineRun:
     """Run every rank's actions in order, each when its inputs have arrived; returns the step time.
 
     `overhead` is added to every action (runtime cost per action); with overlap < 1 a rank also spends
@@ -159,7 +158,6 @@ def simulate(order: dict[int, tuple[Action, ...]], costs: Sequence[StageCost], w
     busy = dict.fromkeys(order, 0.0)
     waited = dict.fromkeys(order, 0.0)
     pointer = dict.fromkeys(order, 0)
-    timeline: dict[int, list[tuple[Action, float, float]]] = defaultdict(list)
 
     def arrival(stage: int, kind: str, mb: int, to_stage: int) -> float | None:
         done = finish.get((stage, kind, mb))
@@ -199,8 +197,6 @@ def simulate(order: dict[int, tuple[Action, ...]], costs: Sequence[StageCost], w
                 finish[action] = end
                 clock[rank] = end + (1 - overlap) * _send_time(stage, kind, last, where, costs)
                 busy[rank] += work
-                if keep_timeline:
-                    timeline[rank].append((action, start, end))
                 pointer[rank] += 1
                 remaining -= 1
                 progressed = True
@@ -213,7 +209,7 @@ def simulate(order: dict[int, tuple[Action, ...]], costs: Sequence[StageCost], w
     busiest = max(ranks, key=lambda r: busy[r])
     return PipelineRun(step=max(clock.values()) if clock else 0.0, busy=[busy[r] for r in ranks],
                        in_flight=[h[0] for h in held], activation_peak=[h[1] for h in held],
-                       comm_wait=waited[busiest], timeline=dict(timeline))
+                       comm_wait=waited[busiest])
 
 
 EXACT_UP_TO = 64

@@ -16,6 +16,7 @@ allow; and `mp` inside one node. Three prunings keep 1,024 devices to seconds:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 
 from .cluster import Cluster
 from .costs import Profile
@@ -107,7 +108,7 @@ def _sweep_microbatches(profile: Profile, cluster: Cluster, batch: int, optimize
     found: list[Prediction] = []
     best, rises = float("inf"), 0
     for m in _micro_counts(base.schedule or "1f1b", base.pp, base.stages_per_worker, batch // base.dp):
-        layout = Layout(**{**base.__dict__, "microbatches": m})
+        layout = replace(base, microbatches=m)
         result = predict(profile, layout, cluster, batch, optimizer)
         if result.reason and not result.fits and "GiB" not in result.reason:
             continue  # a count this schedule refuses

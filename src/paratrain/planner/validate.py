@@ -159,9 +159,8 @@ def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[La
     for i, layout in enumerate(layouts, 1):
         p = predict(profile, layout, cluster, settings.batch, settings.optimizer)
         record: dict[str, Any] = {"layout": layout.label, **{k: v for k, v in layout.as_dict().items() if k != "label"},
-                                  "predicted_step_s": p.step_s if p.reason is None else None,
-                                  "measured_step_s": None,
-                                  "predicted_peak_bytes": p.memory.total if p.reason is None else None,
+                                  "predicted_step_s": p.step_s or None, "measured_step_s": None,
+                                  "predicted_peak_bytes": p.memory.total if p.step_s else None,
                                   "measured_peak_bytes": None, "step_error": None, "memory_error": None,
                                   "status": "ok", "reason": None}
         if p.reason is not None and not p.reason.startswith("needs"):
