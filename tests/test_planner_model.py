@@ -145,6 +145,15 @@ def test_pipeline_memory_follows_the_schedules_in_flight_micro_batches() -> None
     assert one_f1b.data == 8.0 * 16  # every pipeline rank holds the replica's batch
 
 
+def test_cpu_pipeline_ranks_keep_the_high_water_of_their_build() -> None:
+    prof = _profile(act=100.0)
+    layout = Layout(strategy="pp", pp=2, schedule="1f1b", microbatches=2)
+    cpu = predict.predict(prof, layout, _cluster(kind="cpu"), 16).memory
+    build = prof.param_bytes + (8 * 100 + 2 * 50) * 8  # every layer's trial run on one micro-batch of 8
+    assert cpu.retained == pytest.approx(build - cpu.activations - cpu.grads)
+    assert predict.predict(prof, layout, _cluster(), 16).memory.retained == 0  # GPU peaks are allocator peaks
+
+
 def test_layouts_that_cannot_run_say_why() -> None:
     prof, c = _profile(layers=3), _cluster()
     assert "fewer than the 4 stages" in predict.predict(prof, Layout(strategy="pp", pp=4, microbatches=4,

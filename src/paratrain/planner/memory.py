@@ -13,7 +13,10 @@ adds:
 
 Activations are the bytes autograd saves for backward (measured, or counted for an analytic model),
 plus the gradients in flight during backward (twice the largest layer output). `process` is what a
-worker holds before the model, as the cluster spec says the measurement counts it.
+worker holds before the model, as the cluster spec says the measurement counts it. On CPU workers a
+pipeline rank also keeps the high-water mark of its build (`retained`): before keeping its stages it
+runs every layer of the whole model on one micro-batch to balance them, with trial gradients for all
+parameters, and a process's resident set does not shrink after freeing.
 """
 
 from __future__ import annotations
@@ -37,12 +40,16 @@ class Memory:
     data: float = 0.0
     """The batch this worker holds (inputs and targets)."""
     process: float = 0.0
+    retained: float = 0.0
+    """What a CPU worker keeps from an earlier, larger peak: its resident set does not shrink when memory
+    is freed, and a pipeline rank first measures every layer of the whole model on one micro-batch."""
     in_flight: int = 1
     """Micro-batches whose activations are held at once (pipelines)."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.data + self.process
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers + self.data + self.process
+                + self.retained)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}

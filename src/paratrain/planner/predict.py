@@ -214,6 +214,10 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     mem.in_flight = run.in_flight[worst]
     mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
     mem.data = profile.sample_bytes * batch / dp
+    if cluster.kind == "cpu":  # the balance's trial run of the whole model stays resident (see memory.py)
+        build = profile.param_bytes + memory.activations(sum(x.activation_bytes for x in profile.layers),
+                                                         max(x.output_bytes for x in profile.layers), b)
+        mem.retained = max(0.0, build - mem.activations - mem.grads)
     return Prediction(layout, step_s=_shared_cores(step, work, cluster, layout), compute_s=max(run.busy),
                       exposed_comm_s=grads + loss + run.comm_wait, bubble=run.bubble, optimizer_s=max(opts),
                       overhead_s=cluster.step_overhead, memory=mem, balance=balance)
