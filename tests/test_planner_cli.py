@@ -61,3 +61,6 @@ def test_validate_refuses_other_hardware_and_analytic_models(capsys: pytest.Capt
     assert "give --global-batch" in capsys.readouterr().err
     assert cli_main(["plan", "--workload", "gpt-5b", "--global-batch", "8", "--cluster", "h100-ib", "--validate"]) == 2
     assert "is analytic" in capsys.readouterr().err
+    assert cli_main(["plan", "--workload", "gpt-5b", "--global-batch", "8", "--cluster", "h100-ib",
+                     "--strategies", "ddp,pipe"]) == 2
+    assert "Did you mean 'pp'" in capsys.readouterr().err

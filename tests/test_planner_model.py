@@ -160,6 +160,8 @@ def test_layouts_that_cannot_run_say_why() -> None:
                                                                       schedule="gpipe"), c, 16).reason
     assert "does not split" in predict.predict(prof, Layout(strategy="ddp", dp=3), c, 16).reason
     assert "1f1b" in predict.predict(prof, Layout(strategy="pp", pp=2, schedule="1f1b", microbatches=1), c, 16).reason
+    fp16 = Layout(strategy="pp", pp=2, schedule="gpipe", microbatches=2, precision="16")
+    assert "use bf16" in predict.predict(prof, fp16, c, 16).reason
     big = _profile(params=10**9)
     out = predict.predict(big, Layout(strategy="single"), c, 16)
     assert not out.fits and "GiB per worker" in out.reason

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import ParatrainError
+from ..errors import ParatrainError, unknown_name
 from . import cluster as clusters
 from . import report, search, transformer, validate
 from .cluster import Cluster
 from .costs import Profile
+from .layout import STRATEGIES
 
 OPTIMIZERS = ("adam", "momentum", "sgd")
 Say = Callable[[str], None]
@@ -99,6 +100,9 @@ def load_profile(request: PlanRequest, cluster: Cluster, say: Say = print) -> tu
 def main(request: PlanRequest, say: Say = print) -> int:
     if request.optimizer not in OPTIMIZERS:
         raise ParatrainError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {request.optimizer!r}")
+    unknown = [s for s in request.strategies if s not in STRATEGIES]
+    if unknown:
+        raise unknown_name("strategy", unknown[0], STRATEGIES)
     if request.top < 1:
         raise ParatrainError(f"--top must be >= 1, got {request.top}")
     out = Path(request.out) if request.out else None

@@ -71,6 +71,8 @@ def problem(layout: Layout, profile: Profile, batch: int, cluster: Cluster) -> s
                 f"{'micro-batches' if layout.strategy in ('pp', 'ddp+pp', 'mp') else 'accumulation steps'}")
     if layout.strategy in ("pp", "ddp+pp", "mp") and len(profile.layers) < layout.stages:
         return f"the model has {len(profile.layers)} layers, fewer than the {layout.stages} stages"
+    if layout.strategy in ("pp", "ddp+pp") and layout.precision == "16":
+        return "pipelines refuse precision '16' (the loss scaler cannot scale a loss the schedule computes); use bf16"
     if layout.strategy in ("pp", "ddp+pp"):
         schedule, m = layout.schedule or "1f1b", layout.microbatches
         try:
