@@ -1,4 +1,6 @@
 # `make bench` and `make test` work on a fresh clone: both create .venv first.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,8 +12,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook,plan]' 2>&1 | grep -v "is ignored" || true
-	$(PY) -c "import paratrain, torch, matplotlib, pytest" 
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook,hf,cluster,plan]' 2>&1 | { grep -v "is ignored" || true; }
+	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml" 
 	touch $(STAMP)
 
 lint: setup

@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from paratrain.bench import report
+from paratrain.bench import report, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = (("ddp", 1.7, "ddp on 2 workers >= 1.7x single"), ("pp", 1.5, "2-stage pp >= 1.5x single"))
@@ -50,6 +50,7 @@ def targets(runs: list[dict]) -> list[str]:
 def main(directory: str, name: str) -> None:
     src = Path(directory)
     results = json.loads((src / "results.json").read_text())
+    typed = schema.from_json(results)["runs"]
     images = ROOT / "docs" / "img"
     images.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -67,9 +68,9 @@ def main(directory: str, name: str) -> None:
     print(f"- workload: {results['workload']['description']}, {results['workload']['parameters'] / 1e6:.1f} M "
           f"parameters, global batch {results['global_batch']}")
     print()
-    print(report.markdown(results["runs"]))
+    print(report.markdown(typed))
     print()
-    print("\n".join(f"- {line}" for line in report.summary(results["runs"])))
+    print("\n".join(f"- {line}" for line in report.summary(typed)))
     print()
     print("Targets (ratios from this one run):")
     print("\n".join(targets(results["runs"])))

@@ -17,12 +17,8 @@ benchmarks/results/pipeline_cpu.json (and a plot of the micro-batch curves next 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -66,15 +62,17 @@ def _data(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _step_times(run: Any, model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, warmup: int,
                 steps: int) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
+    """Seconds of each timed step, by the bench's harness (each step's time the slowest rank's)."""
+    from paratrain.bench.timing import time_steps
+
+    def step() -> None:
         run.forward_backward(model, x, y, nn.functional.mse_loss)
         opt.step()
         opt.zero_grad()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+
+    for _ in range(warmup):
+        step()
+    return time_steps(step, steps, [run.device], run.device)[0]
 
 
 def _train_configs(spec: dict[str, Any], configs: list[dict[str, Any]]) -> list[list[float]]:
@@ -84,8 +82,8 @@ def _train_configs(spec: dict[str, Any], configs: list[dict[str, Any]]) -> list[
     for options in configs:
         run = paratrain.setup(seed=0, accelerator="cpu", **options)
         model = deep_mlp(spec["width"], spec["depth"])
-        model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
         x, y = _data(spec["batch"], spec["width"])
+        model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3), example=x)
         out.append(_step_times(run, model, opt, x, y, spec["warmup"], spec["steps"]))
     return out
 
@@ -131,9 +129,9 @@ def _search_vs_sweep(spec: dict[str, Any], rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     run = paratrain.setup(strategy="pp", schedule="1f1b", microbatches=2, balance="equal", seed=0,
                           accelerator="cpu")
-    model = run.prepare(deep_mlp(spec["width"], spec["depth"]))
     x, y = _data(spec["batch"], spec["width"])
-    run.forward_backward(model, x, y, nn.functional.mse_loss)  # split the model, warm up
+    model = run.prepare(deep_mlp(spec["width"], spec["depth"]), example=x)
+    run.forward_backward(model, x, y, nn.functional.mse_loss)  # warm up
     candidates = [m for m in model.candidates(spec["batch"]) if m <= 64]  # micro-batches of >= 16 rows
     out: dict[str, Any] = {"candidates": candidates, "rounds": []}
     with no_trace(model.local):
@@ -173,8 +171,8 @@ def _balances(spec: dict[str, Any]) -> dict[str, Any]:
         run = paratrain.setup(strategy="pp", schedule="1f1b", microbatches=spec["microbatches"], balance=mode,
                               seed=0, accelerator="cpu")
         model = unequal_mlp(spec["wide"], spec["narrow"])
-        model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
-        run.forward_backward(model, x, y, nn.functional.mse_loss)  # split (measuring for "time")
+        model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3), example=x)
+        run.forward_backward(model, x, y, nn.functional.mse_loss)  # warm up
         opt.zero_grad()
         sides[mode] = {"run": run, "model": model, "opt": opt, "times": []}
     for _ in range(spec["steps"]):
@@ -201,20 +199,10 @@ def auto_balance(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except OSError:
-        commit = ""
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    """The same machine record as `paratrain bench` writes, with the commit and the date."""
+    from paratrain.bench import schema
+
+    return {**schema.machine(), "commit": schema.commit(), "date": schema.now()}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -38,11 +38,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--precision", default="32")
-    parser.add_argument("--sync-batchnorm", action="store_true")
+    parser.add_argument("--batchnorm", choices=("exact", "local"), default=None,
+                        help="exact: global-batch statistics (SyncBatchNorm, CUDA); local: each worker's own rows "
+                             "(default: exact on GPUs, local on CPU workers, where no exact form exists)")
     parser.add_argument("--checkpoint-dir", default=None)
     args = parser.parse_args()
 
-    run = paratrain.setup(strategy=args.strategy, precision=args.precision, sync_batchnorm=args.sync_batchnorm,
+    batchnorm = args.batchnorm or ("exact" if torch.cuda.is_available() else "local")
+    run = paratrain.setup(strategy=args.strategy, precision=args.precision, batchnorm=batchnorm,
                           checkpoint_dir=args.checkpoint_dir, seed=0)
     batch = run.per_worker_batch(args.global_batch)
     train = run.prepare_loader(DataLoader(synthetic_images(512, 10, 16, seed=1), batch_size=batch, shuffle=True))

@@ -15,7 +15,9 @@ EXAMPLES = ROOT / "examples"
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    """This environment for a launched command, less any cluster's (the suite run inside a Slurm job or a pod
+    must not make `paratrain run` join that job)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
@@ -39,6 +41,15 @@ def run_cmd(args: list[str], timeout: float = 120, env: dict[str, str] | None = 
 
 def paratrain(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return run_cmd([sys.executable, "-m", "paratrain.cli", *args], timeout=timeout, env=env)
+
+
+def doc_block(marker: str, doc: str = "docs/launchers.md") -> str:
+    """The fenced block that follows `<!-- marker -->` in a doc: what users copy is what a test runs."""
+    text = (ROOT / doc).read_text()
+    head = f"<!-- {marker} -->\n```"
+    start = text.index(head) + len(head)
+    body = text[text.index("\n", start) + 1 :]
+    return body[: body.index("```\n")]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -93,3 +104,16 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     """A whole tensor from a possibly sharded one (FSDP2 keeps DTensor shards)."""
     full = getattr(value, "full_tensor", None)
     return (full() if full is not None else value).detach().clone()
+
+
+def check_job(strategy: str, world: int = 1, **options: object) -> None:
+    """What `setup` checks before any process group starts: the options (validated config), then the
+    strategy's own check for a job of `world` CPU workers."""
+    from paratrain.config import make_config
+    from paratrain.runtime import Placement
+    from paratrain.strategies import get
+    from paratrain.strategies.base import Context
+
+    ctx = Context(config=make_config({"strategy": strategy, **options}),
+                  placement=Placement(world_size=world, local_world_size=world), device=torch.device("cpu"))
+    get(strategy).check(ctx)

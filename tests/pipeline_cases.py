@@ -63,20 +63,22 @@ def train(strategy: str, steps: int = 3, batch: int = 16, kind: str = "seq", gra
           save_to: str | None = None, resume_from: str | None = None, **options: Any) -> dict[str, Any]:
     """The user loop under `strategy`; returns losses, this rank's weights (original names) and the plan."""
     run = paratrain.setup(strategy=strategy, seed=0, grad_accum=grad_accum, **options)
+    replica, replicas = run.strategy.data_shard(run.ctx)
+    share = batch // replicas
+    shares = [(x[replica * share : (replica + 1) * share], y[replica * share : (replica + 1) * share])
+              for x, y in batches(steps, batch)]
     model = make_model(kind)
-    model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+    example = shares[0][0].chunk(grad_accum)[0].to(run.device)  # one micro-step's inputs
+    model, opt = run.prepare(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), example=example)
     state = {"model": model, "optimizer": opt}
     first = 0
     if resume_from:
         run.load(state, path=resume_from)
         first = int(state.get("step", 0))
-    replica, replicas = run.strategy.data_shard(run.ctx)
     losses = []
-    for step, (x, y) in enumerate(batches(steps, batch)):
+    for step, (x, y) in enumerate(shares):
         if step < first:
             continue
-        share = batch // replicas
-        x, y = x[replica * share : (replica + 1) * share], y[replica * share : (replica + 1) * share]
         micro = []
         for xs, ys in zip(x.chunk(grad_accum), y.chunk(grad_accum)):
             xs, ys = xs.to(run.device), ys.to(run.device)

@@ -8,27 +8,27 @@ import json
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import paratrain
 
-from paratrain.bench import plan, plots, report, schema, workloads
+from paratrain import strategies
+from paratrain.bench import jobs, plots, report, schema, workloads
 from paratrain.cli import main as cli_main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _settings(batch: int = 24, gpus: int = 0) -> plan.Settings:
-    return plan.Settings(workload="toy", batch=batch, steps=2, warmup=1, repeat=2, gpus=gpus)
+def _settings(batch: int = 24, gpus: int = 0) -> jobs.Settings:
+    return jobs.Settings(workload="toy", batch=batch, steps=2, warmup=1, repeat=2, gpus=gpus)
 
 
-def _plan(strategies: str, workers: list[int], micro: str = "auto", batch: int = 24, gpus: int = 0,
-          available: tuple[str, ...] = ("single", "dp", "ddp", "mp", "pp", "ddp+pp")) -> plan.Plan:
-    return plan.build(plan.parse_strategies(strategies), workers, plan.parse_microbatches(micro),
-                      _settings(batch, gpus), set(available))
+def _plan(names: str, workers: list[int], micro: str = "auto", batch: int = 24, gpus: int = 0) -> jobs.JobList:
+    return jobs.build(jobs.parse_strategies(names), workers, jobs.parse_microbatches(micro), _settings(batch, gpus))
 
 
-def _skipped(p: plan.Plan) -> dict[tuple[str, int, int | None], tuple[str, str]]:
+def _skipped(p: jobs.JobList) -> dict[tuple[str, int, int | None], tuple[str, str]]:
     return {(s.strategy, s.workers, s.microbatches): (status, reason) for s, status, reason in p.skipped}
 
 
@@ -68,13 +68,9 @@ def test_plan_details_batch_splits_schedules_and_missing_strategies() -> None:
     assert [(s.strategy, s.microbatches, s.schedule) for s in pp3.specs][:4] == [
         ("pp", 1, "gpipe"), ("torch-pipelining", 1, "gpipe"), ("pp", 2, "gpipe"), ("torch-pipelining", 2, "gpipe")]
     assert {s.microbatches for s in pp3.specs} == {1, 2, 4, 8}
-    missing = _plan("single,pp", [2], micro="2", available=("single", "ddp"))
-    status, reason = _skipped(missing)[("pp", 2, 2)]
-    assert status == "failed" and "not available" in reason
-    assert [s.strategy for s in missing.jobs[-1].specs] == ["torch-pipelining"]  # the reference still runs
     gpu = _plan("dp,ddp,pp", [2], micro="2", gpus=1)
     assert "one worker per GPU" in _skipped(gpu)[("ddp", 2, None)][1]
-    assert [job.specs[0] for job in gpu.jobs] == [plan.Spec("single", 1), plan.Spec("dp", 1)]  # single: baseline
+    assert [job.specs[0] for job in gpu.jobs] == [jobs.Spec("single", 1), jobs.Spec("dp", 1)]  # single: baseline
 
 
 def test_bad_flags_fail_fast_naming_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,24 +84,29 @@ def test_bad_flags_fail_fast_naming_the_fix(capsys: pytest.CaptureFixture[str]) 
     assert "cannot load" in capsys.readouterr().err
 
 
-def _fake_results() -> dict[str, object]:
-    def run(strategy: str, workers: int, times: list[float], micro: int | None = None) -> dict[str, object]:
-        spec = plan.Spec(strategy, workers, micro, "1f1b" if strategy in ("pp", "torch-pipelining") else None)
-        return schema.record(spec, "ok", None, times, 100.0)
+def _fake_results() -> dict[str, Any]:
+    def run(strategy: str, workers: int, times: list[float], micro: int | None = None) -> schema.RunRecord:
+        spec = jobs.Spec(strategy, workers, micro, "1f1b" if strategy in ("pp", "torch-pipelining") else None)
+        twin = {ref: name for name, ref in jobs.REFERENCE.items()}.get(strategy, strategy)
+        options = {"microbatches": micro} if micro else {}
+        bound = (workers if twin == jobs.CEILING else  # the strategy states its own bound
+                 strategies.get(twin).bound(jobs.context(twin, workers, _settings(), **options)))
+        return schema.record(spec, "ok", None, bound, times, 100.0)
 
     runs = [run("single", 1, [1.0, 1.1, 0.9]), run("ddp", 2, [0.55, 0.5, 0.6]), run("torch-ddp", 2, [0.5, 0.5, 0.5]),
             run("no-comm", 2, [0.5, 0.5, 0.5]), run("ddp", 4, [0.3, 0.3, 0.3]), run("torch-ddp", 4, [0.3, 0.3, 0.3])]
     runs += [run(s, 2, [t, t], m) for m, t in ((1, 1.0), (2, 0.8), (4, 0.7)) for s in ("pp", "torch-pipelining")]
-    runs.append(schema.record(plan.Spec("dp", 1), "not-applicable", "needs GPUs"))
+    runs.append(schema.record(jobs.Spec("dp", 1), "not-applicable", "needs GPUs", 1.0))
     return {"schema": schema.SCHEMA, "created": schema.now(), "command": "paratrain bench", "paratrain": {},
             "machine": schema.machine(), "workload": {"name": "toy"}, "global_batch": 8, "settings": {},
             "runs": schema.finalise(runs, 8)}
 
 
 def test_finalise_derives_medians_speedups_bounds_and_reference_ratios() -> None:
-    results = _fake_results()
+    typed = _fake_results()
+    results = schema.as_json(typed)
     schema.validate(results)
-    runs = {(r["strategy"], r["workers"], r["microbatches"]): r for r in results["runs"]}  # type: ignore[union-attr]
+    runs = {(r["strategy"], r["workers"], r["microbatches"]): r for r in results["runs"]}
     ddp = runs[("ddp", 2, None)]
     assert ddp["median_step_s"] == 0.55 and ddp["samples_per_s"] == pytest.approx(8 / 0.55, rel=1e-3)
     assert ddp["speedup_vs_single"] == pytest.approx(1.0 / 0.55, rel=1e-3)
@@ -113,14 +114,13 @@ def test_finalise_derives_medians_speedups_bounds_and_reference_ratios() -> None
     assert ddp["vs_reference"] == pytest.approx(1.1) and ddp["reference"] == "torch-ddp"
     assert runs[("pp", 2, 4)]["bound"] == pytest.approx(2 * 4 / 5)  # K*M/(M+K-1)
     assert runs[("dp", 1, None)]["median_step_s"] is None and runs[("dp", 1, None)]["reason"] == "needs GPUs"
-    lines = report.comparisons(results["runs"])  # type: ignore[arg-type]
+    lines = report.comparisons(typed["runs"])
     assert any("ddp on 2 worker(s): 1.100 x torch-ddp" in line for line in lines)
-    assert "not-applicable" in report.table(results["runs"]) and "| dp |" in report.markdown(results["runs"])  # type: ignore[arg-type]
+    assert "not-applicable" in report.table(typed["runs"]) and "| dp |" in report.markdown(typed["runs"])
 
 
 def test_schema_names_every_broken_field() -> None:
-    results = _fake_results()
-    bad = json.loads(json.dumps(results))
+    bad = json.loads(json.dumps(schema.as_json(_fake_results())))
     bad["runs"][0]["status"] = "done"
     bad["runs"][1]["reason"] = "oops"
     bad["runs"][1]["status"] = "ok"
@@ -136,7 +136,7 @@ def test_schema_names_every_broken_field() -> None:
 
 
 def test_plots_bar_chart_microbatch_curve_and_scaling(tmp_path: Path) -> None:
-    written = plots.write_all(_fake_results(), tmp_path)  # type: ignore[arg-type]
+    written = plots.write_all(_fake_results(), tmp_path)
     assert sorted(p.name for p in written) == ["microbatch_tradeoff.png", "scaling.png", "strategy_times.png"]
     for path in written:
         _png(path)

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 import paratrain
-from paratrain import ParatrainError
-from paratrain.launcher import spawn
+from paratrain import ParatrainError, runtime
 
 DRIVER = '''
 import json, os, sys, threading
@@ -233,17 +232,34 @@ def test_launch_from_an_interactive_interpreter(tmp_path: Path) -> None:
 
 
 def test_bad_launch_input_is_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(spawn, "cuda_count", lambda: 2)
+    monkeypatch.setattr(runtime, "cuda_count", lambda: 2)
     with pytest.raises(ParatrainError, match=r"nproc=3 but only 2 GPU\(s\) are visible.*nproc<=2.*accelerator='cpu'"):
         paratrain.launch(print, nproc=3)
-    assert spawn._check_nproc(None, "auto") == 2  # one worker per GPU by default
-    assert spawn._check_nproc(3, "cpu") == 3  # CPU workers on a GPU machine: any number
+    assert runtime.worker_count(None, "auto") == 2  # one worker per GPU by default
+    assert runtime.worker_count(3, "cpu") == 3  # CPU workers on a GPU machine: any number
     with pytest.raises(ParatrainError, match="nproc must be >= 1, got 0"):
         paratrain.launch(print, nproc=0)
-    monkeypatch.setattr(spawn, "cuda_count", lambda: 0)
-    assert spawn._check_nproc(None, "auto") == 1
+    monkeypatch.setattr(runtime, "cuda_count", lambda: 0)
+    assert runtime.worker_count(None, "auto") == 1
     with pytest.raises(ParatrainError, match="accelerator='cuda' but no CUDA GPU is visible"):
         paratrain.launch(print, accelerator="cuda")
     lock = threading.Lock()
     with pytest.raises(ParatrainError, match="cannot be sent to the workers .*lock.*create such objects inside"):
         paratrain.launch(lambda: lock.locked(), nproc=2)
+
+
+def _split_one_sample() -> None:
+    run = paratrain.setup(strategy="ddp")
+    run.per_worker_batch(1)  # one sample over two workers: every rank raises the same ParatrainError
+
+
+def test_an_error_every_rank_raises_is_told_once(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(paratrain.WorkerFailed) as failed:
+        paratrain.launch(_split_one_sample, nproc=2, timeout=120)
+    message = str(failed.value)
+    assert message.startswith("worker ranks 0, 1 of 2 failed with the same error; all workers were stopped:\n"
+                              "Traceback"), message
+    assert message.count("global batch 1 cannot be split evenly over 2") == 1, message
+    assert message.endswith("use a global batch that is a multiple of 2 (e.g. 2)")  # the reason stays last
+    output = capfd.readouterr()
+    assert "global batch 1" not in output.out + output.err  # the workers leave it to the launcher

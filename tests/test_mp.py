@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import check_job
 from pipeline_cases import TOL, caught, reference, train, weight_error
 
 import paratrain
-from paratrain.config import Config
 from paratrain.parallel.mp_pipeline import MPPipeline, clock_cycles
 from paratrain.parallel.streams import Copier
-from paratrain.runtime import Placement
-from paratrain.strategies import get
-from paratrain.strategies.base import Context
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +69,13 @@ def test_mp_grad_accum_and_bf16(ref: dict) -> None:
     assert weight_error(bf16["weights"], ref["weights"]) < 5e-2
 
 
-def _ctx(strategy: str, world: int = 1, **options: object) -> Context:
-    return Context(config=Config(strategy=strategy, **options),  # type: ignore[arg-type]
-                   placement=Placement(world_size=world, local_world_size=world), device=torch.device("cpu"))
-
-
 def test_mp_rejects_bad_setups_with_the_fix() -> None:
-    mp = get("mp")
-    assert "ddp+mp" in caught(mp.check, _ctx("mp", world=2))
-    assert "3 entries but there are 2 stages" in caught(mp.check, _ctx("mp", balance=[1, 2, 3]))
-    assert "positive int or 'auto'" in caught(mp.check, _ctx("mp", microbatches=0))
+    assert "ddp+mp" in caught(check_job, "mp", 2)
+    assert "3 entries but there are 2 stages" in caught(check_job, "mp", balance=[1, 2, 3])
+    assert "positive int or 'auto'" in caught(check_job, "mp", microbatches=0)
     run = paratrain.setup(strategy="mp", devices=["cpu"] * 12)
-    model = run.prepare(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
-    msg = caught(run.forward_backward, model, torch.randn(4, 2), torch.randn(4, 2), torch.nn.functional.mse_loss)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    msg = caught(run.prepare, model, example=torch.randn(4, 2))
     assert "2 layer(s) but 12 pipeline stages" in msg
 
 
@@ -94,8 +85,8 @@ def test_clock_cycles_and_cpu_copies() -> None:
     assert sum(len(c) for c in clock_cycles(5, 4)) == 20 and len(clock_cycles(5, 4)) == 8
     x = torch.randn(3)
     assert Copier([torch.device("cpu")]).to((x, {"k": x}), torch.device("cpu"))[0] is x
-    assert isinstance(paratrain.setup(strategy="mp").prepare(torch.nn.Sequential(torch.nn.Linear(1, 1))),
-                      MPPipeline)
+    two = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.ReLU())
+    assert isinstance(paratrain.setup(strategy="mp").prepare(two, example=torch.randn(2, 1)), MPPipeline)
 
 
 @pytest.mark.gpu

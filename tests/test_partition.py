@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import check_job
 from pipeline_cases import caught
 from torch import nn
 
@@ -15,7 +16,7 @@ from paratrain.parallel.balance import choose_balance, profile_layers, solve, st
 from paratrain.parallel.memory import ActivationMeter, in_flight
 from paratrain.parallel.microbatch import check_even, divisors, merge, search, split, sweep
 from paratrain.parallel.partition import check_balance, equal_balance, layers_of, merged, split_into_stages
-from paratrain.parallel.pipelining import check_layout, stage_indices
+from paratrain.parallel.pipelining import stage_indices
 from paratrain.runtime import Placement
 from paratrain.strategies import get
 from paratrain.strategies.base import Context
@@ -77,7 +78,7 @@ def test_time_balance_beats_the_equal_split_on_unequal_layers() -> None:
     heavy = [nn.Linear(1024, 1024) for _ in range(4)]
     model = nn.Sequential(*heavy[:3], nn.Tanh(), nn.ReLU(), nn.Tanh(), nn.ReLU(), heavy[3])
     grads_before = [p.grad for p in model.parameters()]
-    sample = (torch.randn(64, 1024),)
+    sample = torch.randn(64, 1024)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as pipeline workers run; spinning thread pools on shared cores time nothing
     try:
@@ -98,7 +99,7 @@ def test_time_balance_beats_the_equal_split_on_unequal_layers() -> None:
 def test_profile_leaves_batchnorm_statistics_and_rng_alone() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
     stats = model[1].running_mean.clone()
-    sample = (torch.randn(8, 4),)
+    sample = torch.randn(8, 4)
     torch.manual_seed(3)
     expected = torch.rand(1)
     torch.manual_seed(3)
@@ -172,21 +173,18 @@ def test_activation_meter_counts_saved_storages_once_and_sees_them_freed() -> No
     assert meter.current == 0 and meter.peak == held
 
 
-def _ctx(strategy: str, world: int, **options: object) -> Context:
-    return Context(config=Config(strategy=strategy, **options),  # type: ignore[arg-type]
-                   placement=Placement(world_size=world, local_world_size=world), device=torch.device("cpu"))
-
-
 def test_pipeline_layouts_are_validated_at_construction() -> None:
-    msg = caught(get("ddp+pp").check, _ctx("ddp+pp", 4, pp_size=3, microbatches=4))
+    msg = caught(check_job, "ddp+pp", 4, pp_size=3, microbatches=4)
     assert "world 4 is not a multiple of pp_size 3" in msg and "dp 1 x pp 3 = 3 != 4" in msg
-    assert "pp_size 2 != world size 4" in caught(get("pp").check, _ctx("pp", 4, pp_size=2, microbatches=4))
-    msg = caught(get("pp").check, _ctx("pp", 2, schedule="1f1b", microbatches=1))
+    assert "pp_size 2 != world size 4" in caught(check_job, "pp", 4, pp_size=2, microbatches=4)
+    msg = caught(check_job, "pp", 2, schedule="1f1b", microbatches=1)
     assert "microbatches=1 < 2 stages" in msg
-    assert "interleaved-1f1b" in caught(check_layout, "gpipe", 2, 2, 4)
-    assert "Did you mean '1f1b'" in caught(check_layout, "1fb1", 2, 1, 4)
-    assert "precision='bf16'" in caught(get("pp").check, _ctx("pp", 2, microbatches=2, precision="16"))
-    msg = caught(get("ddp+mp").check, _ctx("ddp+mp", 2, devices_per_worker=0))
+    assert "interleaved-1f1b" in caught(check_job, "pp", 2, schedule="gpipe", stages_per_worker=2, microbatches=4)
+    assert "Did you mean '1f1b'" in caught(check_job, "pp", 2, schedule="1fb1", microbatches=4)
+    assert "precision='bf16'" in caught(check_job, "pp", 2, microbatches=2, precision="16")
+    msg = caught(check_job, "ddp+mp", 2, devices_per_worker=0)
     assert "devices_per_worker must be >= 1" in msg
-    assert get("ddp+pp").data_shard(_ctx("ddp+pp", 4, microbatches=2)) == (0, 2)
+    ctx = Context(config=Config(strategy="ddp+pp", microbatches=2), placement=Placement(world_size=4),
+                  device=torch.device("cpu"))
+    assert get("ddp+pp").data_shard(ctx) == (0, 2)
     assert stage_indices("zero-bubble", 0, 2, 2) == [0, 3] and stage_indices("interleaved-1f1b", 1, 2, 2) == [1, 3]

@@ -33,7 +33,7 @@ CASES: dict[str, dict[str, Any]] = {
 def _cases(tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {name: train("pp", **opts) for name, opts in CASES.items()}
     run = paratrain.setup(strategy="pp", microbatches=4, schedule="1f1b")
-    model = run.prepare(make_model())
+    model = run.prepare(make_model(), example=torch.randn(8, 8))
     out["uneven"] = caught(run.forward_backward, model, torch.randn(6, 8), torch.randn(6, 4),
                            torch.nn.functional.mse_loss)
     # save after 2 steps with an unequal split; resume in a fresh run that splits differently

@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import logging
 import random
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,30 +18,30 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint, collectives, runtime, strategies
 from .config import Config, make_config
-from .data import ShardedLoader
+from .data import ShardedLoader, claim_weight
 from .errors import ParatrainError
-from .faults import INACTIVE, StopRequest, Watch
-from .optim import PreparedOptimizer, Steps, rebind
+from .faults import StopRequest, Watch
+from .parallel.randomness import apply_layout_dropout, set_seed
 from .precision import apply_autocast, make_scaler
+from .step import PreparedOptimizer, Step, rebind
 from .strategies.base import Context, LossFn, Strategy
 
 
 class Run:
     """One process's view of a training job; made by `paratrain.setup`."""
 
-    def __init__(self, config: Config, strategy: Strategy, ctx: Context) -> None:
+    def __init__(self, config: Config, strategy: Strategy, ctx: Context, watch: Watch, stop: StopRequest) -> None:
         self.config = config
         self.strategy = strategy
         self.ctx = ctx
-        self._steps = Steps(config.grad_accum)
+        self.step = Step(config.grad_accum, strategy.set_gradient_sync)
         self.scaler = make_scaler(config.precision, ctx.device.type)
-        self._sync_ctx: contextlib.AbstractContextManager[Any] | None = None
-        self._saves = 0
-        self._watch: Watch = INACTIVE
-        self._stop = StopRequest(grace_s=config.timeout_s or runtime.default_timeout_s())
+        self._watch = watch
+        self._stop = stop
         self._stop_seen: tuple[int, bool] | None = None
-        self._rebind_later: tuple[Any, dict[str, nn.Parameter], nn.Module] | None = None
-        """Pipelines split the model at their first step; the optimizer is re-pointed once after it."""
+        self._saves = 0
+        self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
+        """Training loaders: the batch the latest one yielded sets how much the next micro-step's loss counts."""
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -66,7 +67,7 @@ class Run:
     @property
     def sync_step(self) -> bool:
         """True after the backward that completes an accumulation window (when the optimizer steps)."""
-        return self._steps.micro > 0 and self._steps.at_boundary
+        return self.step.count > 0 and self.step.at_boundary
 
     def per_worker_batch(self, global_batch: int) -> int:
         """The loader batch size for a global batch, checked to divide evenly over replicas and accumulation."""
@@ -81,64 +82,81 @@ class Run:
         return global_batch // parts
 
     # -- preparing objects ----------------------------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """Wrap the model for the strategy (and the optimizer for accumulation/AMP); returns (model, optimizer)."""
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                example: Any = None) -> Any:
+        """Put the model in its final form for the strategy (placed, wrapped, sharded or split into stages)
+        and point the optimizer at its parameters; returns (model, optimizer), or the model alone.
+
+        `example` is one batch of model inputs: pipelines need it to trace a model that is not an
+        nn.Sequential and to measure layers for balance="time"/"memory"."""
         before = dict(model.named_parameters())
-        wrapped = self.strategy.wrap(model, self.ctx)
+        apply_layout_dropout(model)
+        wrapped = self.strategy.wrap(model, self.ctx, example)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
-        wrapped.register_forward_pre_hook(self._enter_micro_step)
+        self.step.track(wrapped)
         _seed(self.config.seed + 1 + self.rank)  # weights are built; from here on randomness differs per rank
         if optimizer is None:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
-        self._rebind_later = (optimizer, before, wrapped)
-        return wrapped, PreparedOptimizer(optimizer, self._steps, self.scaler)
+        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler)
 
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
-        """Shard `loader` over data-parallel replicas (its batch_size is per worker). With evaluation=True each
-        sample goes to exactly one rank and none is repeated, so all-reduced sums are exact."""
+        """Shard `loader` over data-parallel replicas (its batch_size is per worker), honouring its sampler and
+        loading options or refusing them by name. With evaluation=True each sample goes to exactly one rank and
+        none is repeated, so all-reduced sums are exact. Collective when the loader has a custom sampler."""
         replica, replicas = self.strategy.data_shard(self.ctx)
-        return ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation)
+        prepared = ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation,
+                                 grad_accum=self.config.grad_accum, equal_shares=self.strategy.scheduled,
+                                 device=self.device)
+        if not evaluation:
+            self._loaders.add(prepared)
+        return prepared
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for state dicts and evaluation)."""
         return self.strategy.unwrap(model)
 
     # -- the step -------------------------------------------------------------------------------
-    def _enter_micro_step(self, module: nn.Module, args: Any) -> None:
-        if self._sync_ctx is None and torch.is_grad_enabled() and module.training:
-            self._sync_ctx = self.strategy.sync_context(module, self._steps.next_syncs)
-            self._sync_ctx.__enter__()
-
-    def _leave_micro_step(self) -> None:
-        if self._sync_ctx is not None:
-            ctx, self._sync_ctx = self._sync_ctx, None
-            ctx.__exit__(None, None, None)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() with accumulation scaling, fp16 loss scaling and gradient sync only when due."""
+    def _scaled_backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), divided over the accumulation window and scaled for fp16."""
         if self.config.grad_accum > 1:
             loss = loss / self.config.grad_accum
-        try:
-            with self._watch.op_scope("backward"):  # DDP all-reduces gradients inside backward
-                if self.scaler is not None:
-                    self.scaler.scale(loss).backward()
-                else:
-                    loss.backward()
-        finally:
-            self._leave_micro_step()
-            self._steps.micro += 1
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Ends a micro-step the user's loop ran `model(x)` for: backward with accumulation and fp16 loss
+        scaling; gradients are synchronised only on the last micro-step of a window. A short batch's loss is
+        weighted by this rank's rows (see paratrain/data/plan.py)."""
+        weight = claim_weight(self._loaders)
+        with self._watch.op_scope("backward"), self.step.micro():  # DDP all-reduces inside backward
+            self._scaled_backward(loss if weight.loss == 1.0 else loss * weight.loss)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank."""
-        with self._watch.op_scope("forward_backward"):
-            loss = self.strategy.forward_backward(model, inputs, targets, loss_fn, self.backward)
-        if self._rebind_later is not None:
-            optimizer, before, wrapped = self._rebind_later
-            self._rebind_later = None
-            rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
-        self._leave_micro_step()
-        return loss
+        """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank
+        (weighted by rows when the batch is split unevenly, through the loss function every strategy calls).
+        Under torch.no_grad() nothing is trained: it is `evaluate(model, inputs, targets, loss_fn)`."""
+        if not torch.is_grad_enabled():
+            return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
+        weight = claim_weight(self._loaders)
+        with self._watch.op_scope("forward_backward"), self.step.micro(model):
+            loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
+                                                  self.ctx)
+        return loss if weight.window == 1.0 else loss / weight.window
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None) -> Any:
+        """A batch's outputs, or given `targets` and `loss_fn` its mean loss over every rank's rows, without
+        training: the model in eval mode (restored after) and no gradients. Any strategy; collective.
+        Pipelines return outputs on the last stage (None on the other ranks); the loss comes back everywhere."""
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self._watch.op_scope("evaluate"):
+                return self.strategy.evaluate(model, inputs, targets, loss_fn, self.ctx)
+        finally:
+            model.train(was)
 
     @contextlib.contextmanager
     def join(self, model: nn.Module) -> Iterator[None]:
@@ -165,11 +183,11 @@ class Run:
         """True on every rank once any rank got SIGTERM (preemption): save and leave the loop. Collective
         (read it at the same point on every rank, e.g. once per step); reading it once makes SIGTERM wait for it."""
         self._stop.polled = True
-        if self._stop_seen is not None and self._stop_seen[0] == self._steps.micro:
+        if self._stop_seen is not None and self._stop_seen[0] == self.step.count:
             return self._stop_seen[1]  # asked again within the same step: same answer, no second collective
         with self._watch.op_scope("should_stop"):
             flag = bool(collectives.all_reduce(float(self._stop.requested), op="max", device=self.device) > 0)
-        self._stop_seen = (self._steps.micro, flag)
+        self._stop_seen = (self.step.count, flag)
         self._stop.answered = self._stop.answered or flag
         return flag
 
@@ -198,12 +216,12 @@ class Run:
         step = state.get("step")
         step = int(step) if isinstance(step, int) or (torch.is_tensor(step) and step.numel() == 1) else self._saves
         self._saves = step + 1
-        extra = {"step": step, "micro": self._steps.micro, "scaler": self.scaler.state_dict() if self.scaler else None,
+        extra = {"step": step, "micro": self.step.count, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "strategy": self.strategy.name, "world_size": self.world_size}
         with self._watch.op_scope("save"):
             return checkpoint.save(
                 self._root(path), step, state, rank=self.rank, world_size=self.world_size,
-                unwrap=self.strategy.unwrap, sharded_state=getattr(self.strategy, "sharded_state", False),
+                unwrap=self.strategy.unwrap, sharded_state=self.strategy.sharded_state,
                 keep=self.config.keep_last, extra=extra,
             )
 
@@ -212,17 +230,15 @@ class Run:
 
         `path` may name one checkpoint (its step-N directory: loaded or CheckpointError) or a directory of
         them (the newest complete one, skipping broken ones with a warning). Collective."""
-        from .checkpoint import manager, store
-
         given = Path(path) if path is not None else None
         with self._watch.op_scope("load"):
-            one = given is not None and (store.is_checkpoint_dir(given) or not given.is_dir())
-            target = given if one else manager.find(self._root(path), self.rank)
+            one = given is not None and (checkpoint.is_checkpoint_dir(given) or not given.is_dir())
+            target = given if one else checkpoint.find(self._root(path), self.rank)
             if target is None:
                 return False
             extra = checkpoint.load(target, state, rank=self.rank, world_size=self.world_size,
                                     unwrap=self.strategy.unwrap, map_location=self.device, verified=not one)
-        self._steps.micro = int(extra.get("micro", 0))
+        self.step.restore(int(extra.get("micro", 0)))
         self._saves = int(extra.get("step", -1)) + 1  # unnamed saves continue the numbering
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
@@ -237,25 +253,27 @@ class Run:
 
 def setup(**kwargs: Any) -> Run:
     """Read the launch environment, start the process group the strategy needs, and return the `Run`."""
+    runtime.install_error_file_hook()  # first: a bad option is then reported by the launcher like any error
     config = make_config(kwargs)
     placement = runtime.read_placement()
     if config.strategy == "auto":
         config.strategy = "ddp" if placement.world_size > 1 else "single"
     strategy = strategies.get(config.strategy)
     device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
-    ctx = Context(config=config, placement=placement, device=device)
+    ctx = Context(config=config, placement=placement, device=device, gpus=runtime.cuda_count())
     strategy.check(ctx)
-    runtime.install_error_file_hook()
+    timeout = config.timeout_s or runtime.default_timeout_s()
     if strategy.needs_process_group or placement.world_size > 1:
-        backend = runtime.pick_backend(config.backend, device)
-        timeout = config.timeout_s or runtime.default_timeout_s()
-        runtime.init_process_group(placement, backend, config.init, timeout, device)
+        runtime.init_process_group(placement, runtime.pick_backend(config.backend, device), config.init, timeout,
+                                   device)
         atexit.register(runtime.destroy_process_group)
-    run = Run(config, strategy, ctx)
-    run._watch = Watch.start(placement.rank, placement.world_size, config.timeout_s or runtime.default_timeout_s())
-    atexit.register(run._watch.stop)  # before the process group goes (atexit runs last-registered first)
-    run._stop.install()
+    watch = Watch.start(placement.rank, placement.world_size, timeout)
+    atexit.register(watch.stop)  # before the process group goes (atexit runs last-registered first)
+    stop = StopRequest(grace_s=timeout)
+    stop.install()
+    run = Run(config, strategy, ctx, watch, stop)
     _seed(config.seed)
+    set_seed(config.seed)
     return run
 
 

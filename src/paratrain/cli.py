@@ -6,26 +6,21 @@ import argparse
 import sys
 
 from .errors import ParatrainError
+from .runtime import DEFAULT_NPROC_TEXT
 
 
 def _run(ns: argparse.Namespace) -> int:
-    from .launcher.checks import LaunchSpec, parse_nnodes
+    from .launcher import cluster
+    from .launcher.checks import LaunchSpec
     from .launcher.cli_run import run
+    from .runtime import default_nproc, read_slurm, torchrun_variables
 
-    low, high = parse_nnodes(ns.nnodes)
-    spec = LaunchSpec(
-        nproc=ns.nproc if ns.nproc is not None else _default_nproc(), min_nodes=low, max_nodes=high,
-        node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port,
-        max_restarts=ns.max_restarts, backend=ns.backend, init=ns.init, connect_timeout=ns.connect_timeout,
-        timeout=ns.timeout, run_id=ns.run_id,
-    )
-    return run(spec, ns.script, ns.args)
-
-
-def _default_nproc() -> int:
-    from .runtime import cuda_count
-
-    return cuda_count() or 1
+    spec = LaunchSpec(nproc=default_nproc(), backend=ns.backend, init=ns.init, connect_timeout=ns.connect_timeout,
+                      timeout=ns.timeout)
+    typed = cluster.NodeFlags(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
+                              master_port=ns.master_port, run_id=ns.run_id, max_restarts=ns.max_restarts)
+    spec = cluster.resolve(spec, typed, cluster.from_torchrun(torchrun_variables()), read_slurm())
+    return run(spec, ns.script, ns.args, dry_run=ns.dry_run)
 
 
 def _doctor(ns: argparse.Namespace) -> int:
@@ -86,18 +81,24 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description="Run and measure PyTorch training under any strategy.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="start workers on this machine (torchrun's elastic agent)")
-    r.add_argument("--nproc", type=int, default=None, help="workers on this machine (default: GPUs, or 1 on CPU)")
-    r.add_argument("--nnodes", default="1", help="machines: N or MIN:MAX for elastic runs")
-    r.add_argument("--node-rank", type=int, default=0)
-    r.add_argument("--master-addr", default="127.0.0.1")
-    r.add_argument("--master-port", type=int, default=None, help="default: a free port (single machine)")
-    r.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to K times on failure")
+    r = sub.add_parser("run", help="start workers on this machine (torchrun's elastic agent)",
+                       description="A flag not given is taken from torchrun's variable for it (PET_NNODES, "
+                       "PET_NODE_RANK, PET_MASTER_ADDR, ...), else, inside a Slurm job step (srun), from the step: "
+                       "nodes, rendezvous host (its first node), port and run id.")
+    r.add_argument("--nproc", type=int, default=None, help=f"workers on this machine (default: {DEFAULT_NPROC_TEXT})")
+    r.add_argument("--nnodes", default=None, help="machines: N or MIN:MAX for elastic runs (default 1, or Slurm's)")
+    r.add_argument("--node-rank", type=int, default=None, help="0 on the machine that hosts the rendezvous")
+    r.add_argument("--master-addr", default=None, help="rendezvous host (default 127.0.0.1, or Slurm's first node)")
+    r.add_argument("--master-port", type=int, default=None,
+                   help="default: a free port on one machine, or one derived from the Slurm job")
+    r.add_argument("--max-restarts", type=int, default=None, help="restart all workers up to K times on failure")
     r.add_argument("--backend", default=None, choices=["gloo", "nccl"])
     r.add_argument("--init", default=None, help="process-group init for workers, e.g. file:///shared/path")
     r.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
     r.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait (default 600)")
-    r.add_argument("--run-id", default="paratrain", help="the same on every node of one job")
+    r.add_argument("--run-id", default=None, help="the same on every node of one job (default: from Slurm's job)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="print the torch.distributed.run command and environment it would start, and exit")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(func=_run)

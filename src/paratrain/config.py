@@ -1,24 +1,39 @@
-"""The one typed description of a run; `paratrain.setup(**kwargs)` fills it and validates it once."""
+"""The one typed description of a run; `paratrain.setup(**kwargs)` fills it and `validate` checks it once.
+
+Every option that names one of a fixed set of choices is a `Literal`, and `validate` is the only place
+that checks values and their combinations (in the manner of torchtitan's `ParallelDims._validate`,
+but raising `ParatrainError` with the arithmetic and the fix instead of asserting). Checks that need
+the job itself (world size, GPUs) belong to each strategy's `check`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
 
-from .errors import ParatrainError
+from .errors import ParatrainError, unknown_name
 
+StrategyName = Literal["auto", "single", "dp", "ddp", "fsdp", "mp", "pp", "ddp+pp", "ddp+mp"]
 Precision = Literal["32", "bf16", "16"]
-_PRECISIONS = ("32", "bf16", "16")
+Accelerator = Literal["auto", "cpu", "cuda"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+BalanceMode = Literal["time", "memory", "equal"]
+CommHook = Literal["bf16", "fp16"]
+BatchNormMode = Literal["exact", "local"]
+
+STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)[1:]
+"""Every strategy, in the order documentation lists them ("auto" is not one: it picks one)."""
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
 
 
 @dataclass(kw_only=True)
 class Config:
-    strategy: str = "auto"
-    """Name from the strategy registry: single, dp, ddp, fsdp, mp, pp, ddp+pp, ddp+mp; "auto" is single
-    for one process and ddp for several."""
-    precision: str = "32"
+    strategy: StrategyName = "auto"
+    """single, dp, ddp, fsdp, mp, pp, ddp+pp or ddp+mp; "auto" is single for one process, ddp for several."""
+    precision: Precision = "32"
     """"32", "bf16" (autocast) or "16" (autocast with a GradScaler)."""
-    accelerator: str = "auto"
+    accelerator: Accelerator = "auto"
     """"auto" (CUDA when present), "cpu" or "cuda"."""
     backend: str | None = None
     """Process-group backend; None picks nccl for CUDA, gloo otherwise."""
@@ -34,52 +49,88 @@ class Config:
     """Directory for `save`/`load`; `load` resumes from its newest complete checkpoint."""
     keep_last: int = 3
     """Checkpoints kept in checkpoint_dir; older ones are removed after a successful save."""
-    sync_batchnorm: bool = False
-    """Convert BatchNorm layers to SyncBatchNorm (data-parallel strategies)."""
+    batchnorm: BatchNormMode = "exact"
+    """BatchNorm when a batch is split over workers or micro-batches: "exact" (whole-batch statistics:
+    SyncBatchNorm for data-parallel CUDA workers, otherwise a refusal) or "local" (each part normalised by
+    its own rows; pipelines still update running statistics once per step). See parallel/batchnorm.py."""
     bucket_cap_mb: float | None = None
-    """DDP gradient bucket size."""
+    """DDP gradient bucket size in MiB (None: torch's 25)."""
     find_unused_parameters: bool = False
+    """DDP: allow parameters that take no part in some forward passes (costs a graph walk per step)."""
     static_graph: bool = False
+    """DDP: the set of used parameters never changes, so buckets are rebuilt once and reused."""
     gradient_as_bucket_view: bool = False
-    comm_hook: str | None = None
+    """DDP: gradients are views into the communication buckets (saves one copy and its memory)."""
+    comm_hook: CommHook | None = None
     """DDP communication hook: None, "bf16" or "fp16" (gradient compression)."""
     devices: list[str] | None = None
     """Devices of the stages of a single-process model-parallel run (strategy "mp")."""
     devices_per_worker: int = 1
     """Devices each process owns ("ddp+mp")."""
-    microbatches: int | str = 1
+    microbatches: int | Literal["auto"] = 1
     """Micro-batches per step for pipelined strategies, or "auto" to measure and pick."""
-    schedule: str = "1f1b"
-    """Pipeline schedule for "pp": gpipe, 1f1b, interleaved-1f1b, zero-bubble."""
-    balance: list[int] | str = "time"
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule for "pp" and "ddp+pp"."""
+    balance: list[int] | BalanceMode = "time"
     """Layers per stage, or "time"/"memory"/"equal" to balance automatically."""
     stages_per_worker: int = 1
-    """Virtual pipeline stages per worker (interleaved schedules)."""
+    """Virtual pipeline stages per worker (interleaved and zero-bubble schedules)."""
     pp_size: int | None = None
     """Pipeline stages in a hybrid ddp+pp mesh (default: world size for pp, 2 for ddp+pp)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Strategy-specific options not covered above."""
 
-    def __post_init__(self) -> None:
-        if self.precision not in _PRECISIONS:
-            raise ParatrainError(
-                f"precision {self.precision!r} is not supported; use one of {', '.join(_PRECISIONS)}"
-            )
-        if self.grad_accum < 1:
-            raise ParatrainError(f"grad_accum must be >= 1, got {self.grad_accum}")
-        if self.accelerator not in ("auto", "cpu", "cuda"):
-            raise ParatrainError(f"accelerator must be auto, cpu or cuda, got {self.accelerator!r}")
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise ParatrainError(f"timeout_s must be positive, got {self.timeout_s}")
-        if self.keep_last < 1:
-            raise ParatrainError(f"keep_last must be >= 1, got {self.keep_last}")
+
+def check_choice(kind: str, value: Any, literal: Any) -> None:
+    """`value` is one of a Literal's choices, or the error lists them with a close match."""
+    if value not in get_args(literal):
+        raise unknown_name(kind, str(value), [str(v) for v in get_args(literal)])
+
+
+def _positive(name: str, value: int | float | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise ParatrainError(f"{name} must be >= {minimum}, got {value}")
+
+
+def validate(cfg: Config) -> Config:
+    """Every value and combination the options alone can get wrong, checked once, each error with its fix."""
+    check_choice("strategy", cfg.strategy, StrategyName)
+    check_choice("precision", cfg.precision, Precision)
+    check_choice("accelerator", cfg.accelerator, Accelerator)
+    check_choice("schedule", cfg.schedule, Schedule)
+    check_choice("batchnorm", cfg.batchnorm, BatchNormMode)
+    if cfg.comm_hook is not None:
+        check_choice("comm_hook", cfg.comm_hook, CommHook)
+    for name in ("grad_accum", "keep_last", "devices_per_worker", "stages_per_worker", "pp_size"):
+        _positive(name, getattr(cfg, name))
+    if cfg.timeout_s is not None and cfg.timeout_s <= 0:
+        raise ParatrainError(f"timeout_s must be positive, got {cfg.timeout_s}")
+    if cfg.bucket_cap_mb is not None and cfg.bucket_cap_mb <= 0:
+        raise ParatrainError(f"bucket_cap_mb must be positive, got {cfg.bucket_cap_mb}")
+    if cfg.microbatches != "auto" and (not isinstance(cfg.microbatches, int) or cfg.microbatches < 1):
+        raise ParatrainError(f"microbatches must be a positive int or 'auto', got {cfg.microbatches!r}")
+    if isinstance(cfg.balance, str):
+        check_choice("balance", cfg.balance, BalanceMode)
+    elif not cfg.balance or any(not isinstance(b, int) or b < 1 for b in cfg.balance):
+        raise ParatrainError(f"balance {cfg.balance!r} must list at least one layer per stage, e.g. [3, 2], "
+                             "or be one of 'time', 'memory', 'equal'")
+    if cfg.devices is not None and not cfg.devices:
+        raise ParatrainError("devices must list at least one device, e.g. devices=['cuda:0', 'cuda:1']")
+    if cfg.schedule in ("gpipe", "1f1b") and cfg.stages_per_worker != 1:
+        raise ParatrainError(
+            f"schedule {cfg.schedule!r} runs one stage per worker but stages_per_worker={cfg.stages_per_worker}; "
+            "use schedule='interleaved-1f1b' or 'zero-bubble' for several stages per worker, or stages_per_worker=1"
+        )
+    if cfg.find_unused_parameters and cfg.static_graph:
+        raise ParatrainError("find_unused_parameters=True and static_graph=True contradict each other: a static "
+                             "graph uses the same parameters every step; keep one of them")
+    return cfg
 
 
 def make_config(kwargs: dict[str, Any]) -> Config:
+    """The validated Config for `setup(**kwargs)`; precision may be given as a number (16, 32)."""
     names = {f.name for f in fields(Config)}
     unknown = sorted(set(kwargs) - names)
     if unknown:
         raise ParatrainError(f"unknown setup option(s) {unknown}; known options: {sorted(names)}")
     if "precision" in kwargs:
         kwargs = {**kwargs, "precision": str(kwargs["precision"])}
-    return Config(**kwargs)
+    return validate(Config(**kwargs))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .runtime import port_is_free
+from .runtime import DEFAULT_NPROC_TEXT, default_nproc, port_is_free
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
@@ -41,8 +41,9 @@ def examine(master_port: int = 29500) -> list[Finding]:
     nccl_text = f"{nccl} (version {'.'.join(map(str, torch.cuda.nccl.version()))})" if nccl and gpus else str(nccl)
     nccl_fix = "install a CUDA build of torch for GPU workers" if gpus and not nccl else None
     found.append(Finding("nccl", nccl_text, nccl_fix))
-    default = "ddp over nccl, one worker per GPU" if gpus else "ddp over gloo, one worker per CPU core"
-    found.append(Finding("default strategy", default))
+    found.append(Finding("ddp backend", "nccl" if gpus else "gloo"))
+    default = f"{default_nproc()} per machine ({DEFAULT_NPROC_TEXT}; --nproc N to change)"
+    found.append(Finding("default workers", default))
     for var in _LAUNCH_VARS:
         if var in os.environ:
             found.append(Finding(f"env {var}", os.environ[var]))

@@ -23,3 +23,17 @@ def unknown_name(kind: str, name: str, known: Iterable[str]) -> ParatrainError:
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ParatrainError(f"unknown {kind} {name!r}.{hint} Choose one of: {', '.join(known)}.")
+
+
+_MARKERS = ("timed out", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
+            "processgroup", "socket", "peer")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """True for errors a collective raises when a peer is missing, dead or diverged."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _MARKERS)

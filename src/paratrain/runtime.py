@@ -11,12 +11,14 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .config import Accelerator, check_choice
 from .errors import ParatrainError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -38,7 +40,7 @@ class Placement:
     """"torchrun" (also `paratrain run`), "launch" (`paratrain.launch`), "slurm" or "python"."""
 
 
-def _int(env: dict[str, str], key: str, default: int) -> int:
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
     """Leading integer of a variable; Slurm writes repeated counts like "4(x2)"."""
     match = re.match(r"\s*(\d+)", env.get(key) or "")
     return int(match.group(1)) if match else default
@@ -56,6 +58,60 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+def slurm_counts(text: str) -> list[int]:
+    """Per-node counts from Slurm's compressed form: "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in filter(None, text.split(",")):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match:
+            counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+@dataclass(frozen=True)
+class SlurmStep:
+    """This process's place in a Slurm allocation. `step` is None outside `srun` (the batch script itself,
+    an `salloc` shell): there one process runs on the first node, whatever the allocation's size."""
+
+    job: int
+    step: int | None
+    node: int
+    """SLURM_NODEID: this node's index among the step's nodes."""
+    nodes: int
+    first_host: str
+    tasks_per_node: list[int]
+    """Tasks srun started on each node of the step (empty outside srun)."""
+
+
+def read_slurm(env: dict[str, str] | None = None) -> SlurmStep | None:
+    env = dict(os.environ if env is None else env)
+    if "SLURM_JOB_ID" not in env:
+        return None
+    in_step = "SLURM_STEP_ID" in env
+    nodes = _int(env, "SLURM_STEP_NUM_NODES" if in_step else "SLURM_JOB_NUM_NODES", 0) or _int(env, "SLURM_NNODES", 1)
+    nodelist = env.get("SLURM_STEP_NODELIST" if in_step else "SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+    return SlurmStep(
+        job=_int(env, "SLURM_JOB_ID", 0),
+        step=_int(env, "SLURM_STEP_ID", 0) if in_step else None,
+        node=_int(env, "SLURM_NODEID", 0),
+        nodes=nodes,
+        first_host=first_slurm_host(nodelist) if nodelist else "127.0.0.1",
+        tasks_per_node=slurm_counts(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+        if in_step else [],
+    )
+
+
+def torchrun_variables(env: dict[str, str] | None = None) -> dict[str, str]:
+    """torchrun's own settings (PET_NNODES, PET_NODE_RANK, ...: each flag's variable), without the prefix."""
+    source = os.environ if env is None else env
+    return {k[len("PET_"):]: v for k, v in source.items() if k.startswith("PET_")}
+
+
+def slurm_port(job: int, step: int = 0) -> int:
+    """The rendezvous port of a Slurm job step: the same on every node, different between most jobs and steps."""
+    return 10000 + (job + 7919 * step) % 20000
+
+
 def read_placement(env: dict[str, str] | None = None) -> Placement:
     env = dict(os.environ if env is None else env)
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -70,16 +126,18 @@ def read_placement(env: dict[str, str] | None = None) -> Placement:
             master_port=_int(env, "MASTER_PORT", 0) or None,
             launcher=launcher,
         )
-    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", 1) > 1:
-        job = _int(env, "SLURM_JOB_ID", 0)
+    slurm = read_slurm(env)
+    # Only srun's tasks are ranks: the batch script sees SLURM_NTASKS too, but runs once, on the first node.
+    if slurm is not None and slurm.step is not None and _int(env, "SLURM_NTASKS", 1) > 1:
+        on_node = slurm.tasks_per_node[slurm.node] if slurm.node < len(slurm.tasks_per_node) else 1
         return Placement(
             rank=_int(env, "SLURM_PROCID", 0),
             world_size=_int(env, "SLURM_NTASKS", 1),
             local_rank=_int(env, "SLURM_LOCALID", 0),
-            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1),
-            node_rank=_int(env, "SLURM_NODEID", 0),
-            master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=_int(env, "MASTER_PORT", 0) or 10000 + job % 20000,
+            local_world_size=on_node,
+            node_rank=slurm.node,
+            master_addr=env.get("MASTER_ADDR") or slurm.first_host,
+            master_port=_int(env, "MASTER_PORT", 0) or slurm_port(slurm.job, slurm.step),
             launcher="slurm",
         )
     return Placement()
@@ -99,6 +157,16 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+DEFAULT_NPROC_TEXT = "one per visible GPU, or 1 on a machine without GPUs"
+"""What `default_nproc` does, in words for `--help` and `paratrain doctor`."""
+
+
+def default_nproc() -> int:
+    """Workers per machine when none are asked for. On CPU, workers share the cores, and whether several
+    beat one depends on the work per step (docs/benchmarks.md), so more than one is the user's choice."""
+    return cuda_count() or 1
+
+
 def pick_device(accelerator: str, local_rank: int, per_worker: int = 1) -> torch.device:
     """The first device of this worker: a worker owning `per_worker` GPUs (ddp+mp) starts at local_rank*k."""
     if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
@@ -116,6 +184,24 @@ def pick_device(accelerator: str, local_rank: int, per_worker: int = 1) -> torch
         torch.cuda.set_device(first)
         return torch.device("cuda", first)
     return torch.device("cpu")
+
+
+def mp_devices(requested: list[str] | None, device: torch.device, gpus: int) -> list[torch.device]:
+    """Stage devices of a one-process pipeline ("mp"): as requested; else every visible GPU (two stages on
+    the one GPU when there is only one, the tutorials' split); on CPU two stages on "cpu"."""
+    if device.type != "cuda":
+        return [torch.device("cpu")] * (len(requested) if requested else 2)
+    if requested:
+        return [torch.device(d) for d in requested]
+    return [torch.device("cuda", i) for i in range(gpus)] if gpus > 1 else [device, device]
+
+
+def worker_devices(per_worker: int, device: torch.device) -> list[torch.device]:
+    """The devices a "ddp+mp" worker owns: `per_worker` GPUs from its first one (or "cpu" each)."""
+    if device.type != "cuda":
+        return [torch.device("cpu")] * per_worker
+    first = device.index or 0
+    return [torch.device("cuda", first + i) for i in range(per_worker)]
 
 
 def pick_backend(requested: str | None, device: torch.device) -> str:
@@ -229,7 +315,9 @@ def destroy_process_group() -> None:
 
 
 def install_error_file_hook() -> None:
-    """Record uncaught exceptions to torchrun's error file (what `@record` does) so the launcher names the rank."""
+    """Record uncaught exceptions to torchrun's error file (what `@record` does) so the launcher names the rank.
+    Under `paratrain run`, on the last attempt, a ParatrainError is then left for the launcher to print, once
+    for all ranks that raised it (`launcher.failures`); other errors still print their traceback here."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or getattr(sys, "_paratrain_hook", False):
         return
@@ -238,6 +326,9 @@ def install_error_file_hook() -> None:
     import traceback
 
     previous = sys.excepthook
+    # The agent prints its summary only when it gives up; while restarts remain, an error is told here or never.
+    last_attempt = _int(os.environ, "TORCHELASTIC_RESTART_COUNT", 0) >= _int(os.environ, "TORCHELASTIC_MAX_RESTARTS", 0)
+    told_by_launcher = env_flag("REPORTS_FAILURES") == "1" and last_attempt
 
     def hook(kind, value, tb):  # type: ignore[no-untyped-def]
         # torch's ErrorHandler.record_exception reads the traceback from sys.exc_info(), which is empty in
@@ -245,10 +336,14 @@ def install_error_file_hook() -> None:
         try:
             record = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
-                "timestamp": str(int(time.time()))}}}
+                "timestamp": str(int(time.time())), "time": time.time()}}}
             with open(path, "w") as f:
                 json.dump(record, f)
-        finally:
+        except Exception:  # the launcher then reports the exit code; the traceback is printed here
+            told = False
+        else:
+            told = told_by_launcher and isinstance(value, ParatrainError)
+        if not told:
             previous(kind, value, tb)
 
     sys.excepthook = hook
@@ -269,3 +364,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def check_nproc(nproc: int, gpus: int, flag: str = "nproc", cpu_fix: str = "accelerator='cpu'") -> None:
+    """One worker per GPU: more workers than visible GPUs would share devices (nccl refuses, or deadlocks)."""
+    if nproc < 1:
+        raise ParatrainError(f"{flag} must be >= 1, got {nproc}")
+    if gpus and nproc > gpus:
+        raise ParatrainError(
+            f"{flag}={nproc} but only {gpus} GPU(s) are visible: one worker per GPU allows at most {flag}={gpus}; "
+            f"use {flag}<={gpus}, or {cpu_fix} to run {nproc} CPU workers"
+        )
+
+
+def worker_count(nproc: int | None, accelerator: str) -> int:
+    """How many workers a launch starts: as asked, else one per visible GPU, else 1; checked against the GPUs
+    (none count with accelerator='cpu')."""
+    check_choice("accelerator", accelerator, Accelerator)
+    gpus = 0 if accelerator == "cpu" else cuda_count()
+    if accelerator == "cuda" and not gpus:
+        raise ParatrainError("accelerator='cuda' but no CUDA GPU is visible; use accelerator='cpu' (or 'auto')")
+    nproc = nproc if nproc is not None else (gpus or 1)
+    check_nproc(nproc, gpus)
+    return nproc

@@ -57,9 +57,8 @@ def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from .. import strategies
     from ..runtime import cuda_count
-    from . import plan as planning
+    from . import jobs as planning
     from . import report, runner, schema, workloads
 
     gpus = cuda_count()
@@ -75,8 +74,7 @@ def main(ns: argparse.Namespace) -> int:
         repeat=_positive(ns.repeat, workload.repeat, "--repeat"),
         schedule=ns.schedule, precision=ns.precision, channels_last=ns.channels_last,
     )
-    the_plan = planning.build(names, workers, microbatches, settings, set(strategies.names()),
-                              references=not ns.no_reference)
+    jobs = planning.build(names, workers, microbatches, settings, references=not ns.no_reference)
     model = workload.model()
     results: dict[str, Any] = {
         "schema": schema.SCHEMA, "created": schema.now(), "command": _command(ns, settings, workers),
@@ -95,26 +93,26 @@ def main(ns: argparse.Namespace) -> int:
     print(f"paratrain bench: {workload.name} ({workload.description}), "
           f"{results['workload']['parameters'] / 1e6:.1f} M parameters, global batch {settings.batch}; {where}",
           flush=True)
-    print(f"  {len(the_plan.jobs)} job(s); {results['command']}", flush=True)
+    print(f"  {len(jobs.jobs)} job(s); {results['command']}", flush=True)
     print(report.header(), flush=True)
-    runs: list[dict[str, Any]] = []
+    runs: list[schema.RunRecord] = []
 
-    def show(new: list[dict[str, Any]]) -> None:
+    def show(new: list[schema.RunRecord]) -> None:
         runs.extend(new)
         schema.finalise(runs, settings.batch)
         print("\n".join(report.row(r) for r in new), flush=True)
 
-    runner.run_plan(the_plan, settings, ns.timeout, say=lambda text: print(text, flush=True), on_records=show)
+    runner.run_jobs(jobs, settings, ns.timeout, say=lambda text: print(text, flush=True), on_records=show)
     results["runs"] = schema.finalise(runs, settings.batch)
-    schema.validate(results)
+    schema.validate(schema.as_json(results))
     return _write(results, Path(ns.out))
 
 
 def _write(results: dict[str, Any], out: Path) -> int:
-    from . import plots, report
+    from . import plots, report, schema
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(schema.as_json(results), indent=1) + "\n")
     lines, best = report.comparisons(results["runs"]), report.summary(results["runs"])
     (out / "table.md").write_text(report.markdown(results["runs"]) + "\n\n" + "".join(f"- {c}\n" for c in best))
     written = plots.write_all(results, out)
@@ -126,7 +124,7 @@ def _write(results: dict[str, Any], out: Path) -> int:
         print("\nbest of each strategy:")
         print("\n".join(f"  {c}" for c in best))
     print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}" + "".join(f", {p}" for p in written))
-    failed = [r for r in results["runs"] if r["status"] == "failed"]
+    failed = [r for r in results["runs"] if r.status == "failed"]
     if failed:
         print(f"{len(failed)} configuration(s) failed; see their reasons above", flush=True)
     return 1 if failed else 0

@@ -14,29 +14,28 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .plan import CEILING, PIPELINED  # noqa: E402
-from .schema import quantile  # noqa: E402
+from .jobs import CEILING  # noqa: E402
+from .schema import PIPELINED, RunRecord, quantile  # noqa: E402
 
-Run = dict[str, Any]
 PARATRAIN_COLOR, TORCH_COLOR, CEILING_COLOR = "tab:blue", "tab:orange", "tab:gray"
 
 
-def _ok(runs: list[Run]) -> list[Run]:
-    return [r for r in runs if r["status"] == "ok"]
+def _ok(runs: list[RunRecord]) -> list[RunRecord]:
+    return [r for r in runs if r.status == "ok"]
 
 
-def _iqr_bars(runs: list[Run]) -> list[list[float]]:
-    low = [r["median_step_s"] - quantile(r["step_times_s"], 0.25) for r in runs]
-    high = [quantile(r["step_times_s"], 0.75) - r["median_step_s"] for r in runs]
+def _iqr_bars(runs: list[RunRecord]) -> list[list[float]]:
+    low = [r.median - quantile(r.step_times_s, 0.25) for r in runs]
+    high = [quantile(r.step_times_s, 0.75) - r.median for r in runs]
     return [low, high]
 
 
-def best_per_configuration(runs: list[Run]) -> list[Run]:
+def best_per_configuration(runs: list[RunRecord]) -> list[RunRecord]:
     """Each (strategy, workers) once; for pipelines the fastest micro-batch count."""
-    best: dict[tuple[str, int], Run] = {}
+    best: dict[tuple[str, int], RunRecord] = {}
     for r in _ok(runs):
-        key = (r["strategy"], r["workers"])
-        if key not in best or r["median_step_s"] < best[key]["median_step_s"]:
+        key = (r.strategy, r.workers)
+        if key not in best or r.median < best[key].median:
             best[key] = r
     return list(best.values())
 
@@ -45,9 +44,9 @@ def _workers(n: int) -> str:
     return f"{n} worker{'s' if n > 1 else ''}"
 
 
-def _label(r: Run) -> str:
-    text = f"{r['strategy']}\n{_workers(r['workers'])}"
-    return text + (f"\nM={r['microbatches']}" if r["microbatches"] is not None else "")
+def _label(r: RunRecord) -> str:
+    text = f"{r.strategy}\n{_workers(r.workers)}"
+    return text + (f"\nM={r.microbatches}" if r.microbatches is not None else "")
 
 
 def _title(results: dict[str, Any]) -> str:
@@ -57,13 +56,13 @@ def _title(results: dict[str, Any]) -> str:
 def bar_chart(results: dict[str, Any], path: Path) -> Path:
     runs = best_per_configuration(results["runs"])
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
-    colors = [TORCH_COLOR if r["strategy"].startswith("torch-") else
-              CEILING_COLOR if r["strategy"] == CEILING else PARATRAIN_COLOR for r in runs]
-    bars = ax.bar(range(len(runs)), [r["median_step_s"] for r in runs], yerr=_iqr_bars(runs), align="center",
+    colors = [TORCH_COLOR if r.strategy.startswith("torch-") else
+              CEILING_COLOR if r.strategy == CEILING else PARATRAIN_COLOR for r in runs]
+    bars = ax.bar(range(len(runs)), [r.median for r in runs], yerr=_iqr_bars(runs), align="center",
                   alpha=0.6, ecolor="red", capsize=8, width=0.6, color=colors)
     for bar, r in zip(bars, runs):
-        if r["speedup_vs_single"] is not None:
-            ax.annotate(f"{r['speedup_vs_single']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        if r.speedup_vs_single is not None:
+            ax.annotate(f"{r.speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("time per training step (s), median")
     ax.set_xticks(range(len(runs)))
@@ -75,26 +74,26 @@ def bar_chart(results: dict[str, Any], path: Path) -> Path:
 
 
 def microbatch_curve(results: dict[str, Any], path: Path) -> Path | None:
-    runs = [r for r in _ok(results["runs"]) if r["strategy"] in PIPELINED]
+    runs = [r for r in _ok(results["runs"]) if r.strategy in PIPELINED]
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    groups: dict[tuple[str, int], list[Run]] = {}
+    groups: dict[tuple[str, int], list[RunRecord]] = {}
     for r in runs:
-        groups.setdefault((r["strategy"], r["workers"]), []).append(r)
-    counts = sorted({r["microbatches"] for r in runs})
+        groups.setdefault((r.strategy, r.workers), []).append(r)
+    counts = sorted({r.micro for r in runs})
     for (strategy, workers), group in groups.items():
-        group.sort(key=lambda r: r["microbatches"])
+        group.sort(key=lambda r: r.micro)
         style = "--" if strategy.startswith("torch-") else "-"
-        ax.errorbar([r["microbatches"] for r in group], [r["median_step_s"] for r in group],
+        ax.errorbar([r.micro for r in group], [r.median for r in group],
                     yerr=_iqr_bars(group), fmt="o" + style, capsize=4, label=f"{strategy}, {_workers(workers)}")
-    single = next((r for r in _ok(results["runs"]) if r["strategy"] == "single"), None)
+    single = next((r for r in _ok(results["runs"]) if r.strategy == "single"), None)
     if single is not None:
-        ax.axhline(single["median_step_s"], color="gray", linestyle=":", label="single, 1 worker")
-        pp = [r for r in runs if r["strategy"] == "pp"]
+        ax.axhline(single.median, color="gray", linestyle=":", label="single, 1 worker")
+        pp = [r for r in runs if r.strategy == "pp"]
         if pp:
-            k = pp[0]["workers"]
-            ax.plot(counts, [single["median_step_s"] * (m + k - 1) / (k * m) for m in counts], color="gray",
+            k = pp[0].workers
+            ax.plot(counts, [single.median * (m + k - 1) / (k * m) for m in counts], color="gray",
                     linestyle="-.", linewidth=1, label=f"{k}-stage schedule bound")
     batch = results["global_batch"]
     ax.set_xscale("log", base=2)
@@ -109,18 +108,18 @@ def microbatch_curve(results: dict[str, Any], path: Path) -> Path | None:
 
 
 def scaling(results: dict[str, Any], path: Path) -> Path | None:
-    runs = [r for r in best_per_configuration(results["runs"]) if r["speedup_vs_single"] is not None]
-    counts = {r["workers"] for r in runs if r["strategy"] not in ("single", "mp", "torch-pipeline")}
+    runs = [r for r in best_per_configuration(results["runs"]) if r.speedup_vs_single is not None]
+    counts = {r.workers for r in runs if r.strategy not in ("single", "mp", "torch-pipeline")}
     if len(counts) < 2:
         return None
     fig, ax = plt.subplots(figsize=(6.0, 4.2))
     top = max(counts)
     ax.plot([1, top], [1, top], color="gray", linestyle=":", label="ideal")
-    for strategy in sorted({r["strategy"] for r in runs} - {"single", "mp", "torch-pipeline"}):
-        group = sorted((r for r in runs if r["strategy"] == strategy), key=lambda r: r["workers"])
+    for strategy in sorted({r.strategy for r in runs} - {"single", "mp", "torch-pipeline"}):
+        group = sorted((r for r in runs if r.strategy == strategy), key=lambda r: r.workers)
         style = "--" if strategy.startswith("torch-") else ":" if strategy == CEILING else "-"
         color = CEILING_COLOR if strategy == CEILING else None
-        ax.plot([1] + [r["workers"] for r in group], [1.0] + [r["speedup_vs_single"] for r in group],
+        ax.plot([1] + [r.workers for r in group], [1.0] + [r.speedup for r in group],
                 "o" + style, label=strategy if strategy != CEILING else "no-comm (ceiling)", color=color)
     ax.set_xlabel("workers")
     ax.set_ylabel("speedup over single (1 worker)")

@@ -24,7 +24,7 @@ from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ParatrainError
-from .plan import Settings, Spec
+from .jobs import Settings, Spec
 from .workloads import Batch, Workload
 
 Step = Callable[[], None]

@@ -5,27 +5,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-Run = dict[str, Any]
+from .jobs import CEILING, REFERENCE
+from .schema import RunRecord
 
-COLUMNS: list[tuple[str, int, Callable[[Run], str]]] = [
-    ("strategy", 16, lambda r: r["strategy"]),
-    ("workers", 7, lambda r: str(r["workers"])),
-    ("micro", 5, lambda r: _opt(r["microbatches"])),
-    ("sched", 5, lambda r: _opt(r["schedule"])),
-    ("median s", 9, lambda r: _num(r["median_step_s"], ".4f")),
-    ("IQR s", 7, lambda r: _num(r["spread_s"], ".4f")),
-    ("samples/s", 9, lambda r: _num(r["samples_per_s"], ".1f")),
-    ("speedup", 7, lambda r: _num(r["speedup_vs_single"], ".2f", "x")),
-    ("effic.", 6, lambda r: _num(None if r["scaling_efficiency"] is None else 100 * r["scaling_efficiency"],
+COLUMNS: list[tuple[str, int, Callable[[RunRecord], str]]] = [
+    ("strategy", 16, lambda r: r.strategy),
+    ("workers", 7, lambda r: str(r.workers)),
+    ("micro", 5, lambda r: _opt(r.microbatches)),
+    ("sched", 5, lambda r: _opt(r.schedule)),
+    ("median s", 9, lambda r: _num(r.median_step_s, ".4f")),
+    ("IQR s", 7, lambda r: _num(r.spread_s, ".4f")),
+    ("samples/s", 9, lambda r: _num(r.samples_per_s, ".1f")),
+    ("speedup", 7, lambda r: _num(r.speedup_vs_single, ".2f", "x")),
+    ("effic.", 6, lambda r: _num(None if r.scaling_efficiency is None else 100 * r.scaling_efficiency,
                                  ".0f", "%")),
-    ("bound", 6, lambda r: _num(r["bound"], ".2f", "x") if r["status"] == "ok" else "-"),
-    ("vs torch", 8, lambda r: _num(r["vs_reference"], ".3f")),
-    ("peak MB", 8, lambda r: _num(r["peak_memory_mb"], ".0f")),
-    ("status", 14, lambda r: r["status"]),
+    ("bound", 6, lambda r: _num(r.bound, ".2f", "x") if r.status == "ok" else "-"),
+    ("vs torch", 8, lambda r: _num(r.vs_reference, ".3f")),
+    ("peak MB", 8, lambda r: _num(r.peak_memory_mb, ".0f")),
+    ("status", 14, lambda r: r.status),
 ]
 
 
-_NOT_PARATRAIN = ("torch-ddp", "torch-pipeline", "torch-pipelining", "no-comm")
+_NOT_PARATRAIN = (*REFERENCE.values(), CEILING)
 
 
 def _opt(value: Any) -> str:
@@ -41,62 +42,62 @@ def header() -> str:
                      for i, (name, width, _) in enumerate(COLUMNS))
 
 
-def row(run: Run) -> str:
+def row(run: RunRecord) -> str:
     cells = [f"{get(run):>{width}}" if i else f"{get(run):<{width}}" for i, (_, width, get) in enumerate(COLUMNS)]
     line = "  ".join(cells).rstrip()
-    return line + (f"\n    reason: {run['reason']}" if run["reason"] else "")
+    return line + (f"\n    reason: {run.reason}" if run.reason else "")
 
 
-def table(runs: list[Run]) -> str:
+def table(runs: list[RunRecord]) -> str:
     return "\n".join([header(), "-" * len(header()), *(row(r) for r in runs)])
 
 
-def comparisons(runs: list[Run]) -> list[str]:
+def comparisons(runs: list[RunRecord]) -> list[str]:
     """One line per paratrain run that has a hand-written twin: the ratio of median step times."""
     out = []
     for r in runs:
-        if r["vs_reference"] is not None:
-            m = f", {r['microbatches']} micro-batches" if r["microbatches"] is not None else ""
-            verdict = "no measurable overhead" if r["vs_reference"] <= 1.02 else "slower than hand-written"
-            if r["vs_reference"] < 0.98:
+        if r.vs_reference is not None:
+            m = f", {r.microbatches} micro-batches" if r.microbatches is not None else ""
+            verdict = "no measurable overhead" if r.vs_reference <= 1.02 else "slower than hand-written"
+            if r.vs_reference < 0.98:
                 verdict = "faster than hand-written"
-            out.append(f"{r['strategy']} on {r['workers']} worker(s){m}: {r['vs_reference']:.3f} x "
-                       f"{r['reference']} ({verdict})")
+            out.append(f"{r.strategy} on {r.workers} worker(s){m}: {r.vs_reference:.3f} x "
+                       f"{r.reference} ({verdict})")
     return out
 
 
-def summary(runs: list[Run]) -> list[str]:
+def summary(runs: list[RunRecord]) -> list[str]:
     """The fastest configuration of each paratrain strategy and worker count, against its bound, the
     no-communication ceiling and its hand-written twin."""
-    best: dict[tuple[str, int], Run] = {}
+    best: dict[tuple[str, int], RunRecord] = {}
     for r in runs:
-        if r["status"] == "ok" and r["speedup_vs_single"] is not None and r["strategy"] not in _NOT_PARATRAIN:
-            key = (r["strategy"], r["workers"])
-            if key not in best or r["median_step_s"] < best[key]["median_step_s"]:
+        if r.status == "ok" and r.speedup_vs_single is not None and r.strategy not in _NOT_PARATRAIN:
+            key = (r.strategy, r.workers)
+            if key not in best or r.median < best[key].median:
                 best[key] = r
-    ceilings = {r["workers"]: r["speedup_vs_single"] for r in runs
-                if r["strategy"] == "no-comm" and r["speedup_vs_single"] is not None}
+    ceilings = {r.workers: r.speedup_vs_single for r in runs
+                if r.strategy == "no-comm" and r.speedup_vs_single is not None}
     out = []
     for (strategy, workers), r in best.items():
         if strategy == "single":
             continue
-        m = f", M={r['microbatches']}" if r["microbatches"] is not None else ""
-        line = (f"{strategy} on {workers} worker(s){m}: {r['speedup_vs_single']:.2f}x single, "
-                f"{r['speedup_vs_single'] / r['bound']:.0%} of its bound {r['bound']:.2f}x")
+        m = f", M={r.microbatches}" if r.microbatches is not None else ""
+        line = (f"{strategy} on {workers} worker(s){m}: {r.speedup_vs_single:.2f}x single, "
+                f"{r.speedup / r.bound:.0%} of its bound {r.bound:.2f}x")
         if workers in ceilings:
             line += f"; no-communication ceiling here {ceilings[workers]:.2f}x"
-        if r["vs_reference"] is not None:
-            line += f"; {r['vs_reference']:.3f} x {r['reference']}"
+        if r.vs_reference is not None:
+            line += f"; {r.vs_reference:.3f} x {r.reference}"
         out.append(line)
     return out
 
 
-def markdown(runs: list[Run]) -> str:
+def markdown(runs: list[RunRecord]) -> str:
     names = [name for name, _, _ in COLUMNS]
     lines = ["| " + " | ".join(names) + " |", "|" + "|".join("---" for _ in names) + "|"]
     for r in runs:
         cells = [get(r) for _, _, get in COLUMNS]
-        if r["reason"]:
-            cells[-1] += f": {r['reason']}".replace("|", "/")
+        if r.reason:
+            cells[-1] += f": {r.reason}".replace("|", "/")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -11,10 +11,9 @@ from typing import Any
 from ..errors import ParatrainError
 from ..launcher.spawn import launch
 from . import schema
-from .plan import Plan, Settings, Spec
+from .jobs import JobList, Settings, Spec
+from .schema import RunRecord
 from .worker import run_job
-
-Record = dict[str, Any]
 
 
 def _last_line(text: str) -> str:
@@ -22,14 +21,14 @@ def _last_line(text: str) -> str:
     return lines[-1][-600:] if lines else text[-600:]
 
 
-def run_plan(plan: Plan, settings: Settings, job_timeout: float, say: Callable[[str], None] = print,
-             on_records: Callable[[list[Record]], None] | None = None) -> list[Record]:
+def run_jobs(jobs: JobList, settings: Settings, job_timeout: float, say: Callable[[str], None] = print,
+             on_records: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
     """Measure every job in turn; `on_records` sees each job's records as soon as it finishes."""
-    records: list[Record] = [schema.record(spec, status, reason) for spec, status, reason in plan.skipped]
+    records = [schema.record(spec, status, reason, spec.bound) for spec, status, reason in jobs.skipped]
     if on_records and records:
         on_records(records)
-    for i, job in enumerate(plan.jobs, 1):
-        say(f"[{i}/{len(plan.jobs)}] {job.title}: {len(job.specs)} configuration(s), "
+    for i, job in enumerate(jobs.jobs, 1):
+        say(f"[{i}/{len(jobs.jobs)}] {job.title}: {len(job.specs)} configuration(s), "
             f"{settings.warmup} warm-up + {settings.repeat} x {settings.steps} timed steps each")
         start = time.monotonic()
         try:
@@ -37,7 +36,7 @@ def run_plan(plan: Plan, settings: Settings, job_timeout: float, say: Callable[[
             done = [_from_worker(item) for item in out]
         except ParatrainError as exc:  # WorkerFailed or the job's time limit
             reason = f"job failed: {_last_line(str(exc))}"
-            done = [schema.record(spec, "failed", reason) for spec in job.specs]
+            done = [schema.record(spec, "failed", reason, spec.bound) for spec in job.specs]
         say(f"      ({time.monotonic() - start:.0f} s)")
         records += done
         if on_records:
@@ -45,8 +44,7 @@ def run_plan(plan: Plan, settings: Settings, job_timeout: float, say: Callable[[
     return records
 
 
-def _from_worker(item: dict[str, Any]) -> Record:
+def _from_worker(item: dict[str, Any]) -> RunRecord:
     spec: Spec = item["spec"]
-    if item["reason"]:
-        return schema.record(spec, "failed", item["reason"], item["step_times_s"], item["peak_memory_mb"])
-    return schema.record(spec, "ok", None, item["step_times_s"], item["peak_memory_mb"])
+    status = "failed" if item["reason"] else "ok"
+    return schema.record(spec, status, item["reason"], spec.bound, item["step_times_s"], item["peak_memory_mb"])

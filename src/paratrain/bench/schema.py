@@ -19,46 +19,84 @@ import os
 import platform
 import statistics
 import subprocess
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .plan import REFERENCE, Spec, describe
+from .jobs import BENCH_STRATEGIES, CEILING, REFERENCE, Spec
 
 SCHEMA = "paratrain-bench/1"
 STATUSES = ("ok", "not-applicable", "failed")
-STRATEGIES = ("single", "dp", "ddp", "mp", "pp", "ddp+pp", "torch-ddp", "torch-pipeline", "torch-pipelining",
-              "no-comm")
-RUN_KEYS = ("strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
-            "samples_per_s", "speedup_vs_single", "scaling_efficiency", "bound", "peak_memory_mb", "reference",
-            "vs_reference", "status", "reason")
+STRATEGIES = (*BENCH_STRATEGIES, *REFERENCE.values(), CEILING)
+PIPELINED = ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
+SCHEDULED = ("pp", "ddp+pp", "torch-pipelining")
+
+
+@dataclass(kw_only=True)
+class RunRecord:
+    """One measured (or not applicable, or failed) configuration: a row of results.json."""
+
+    strategy: str
+    workers: int
+    microbatches: int | None = None
+    schedule: str | None = None
+    step_times_s: list[float] = field(default_factory=list)
+    """Every timed step, the slowest rank's time each."""
+    median_step_s: float | None = None
+    spread_s: float | None = None
+    """Interquartile range of step_times_s."""
+    samples_per_s: float | None = None
+    speedup_vs_single: float | None = None
+    scaling_efficiency: float | None = None
+    bound: float
+    """The best speedup over single this layout allows (the strategy's own bound)."""
+    peak_memory_mb: float | None = None
+    reference: str | None = None
+    """The hand-written PyTorch twin this run is compared with."""
+    vs_reference: float | None = None
+    status: str
+    reason: str | None = None
+
+    @property
+    def median(self) -> float:
+        """The median step time of a measured run (reports and plots only look at `ok` runs)."""
+        if self.median_step_s is None:
+            raise ValueError(f"{self.strategy} on {self.workers} worker(s) has no measured steps ({self.status})")
+        return self.median_step_s
+
+    @property
+    def speedup(self) -> float:
+        if self.speedup_vs_single is None:
+            raise ValueError(f"{self.strategy} on {self.workers} worker(s) has no speedup (no single run)")
+        return self.speedup_vs_single
+
+    @property
+    def micro(self) -> int:
+        """Micro-batches per step (1 for strategies that do not split batches)."""
+        return self.microbatches or 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunRecord:
+        return cls(**{f.name: data[f.name] for f in fields(cls)})
+
+
+RUN_KEYS = tuple(f.name for f in fields(RunRecord))
 TOP_KEYS = ("schema", "created", "command", "paratrain", "machine", "workload", "global_batch", "settings", "runs")
 
 
-def record(spec: Spec, status: str, reason: str | None, step_times: list[float] | None = None,
-           peak_mb: float | None = None) -> dict[str, Any]:
+def record(spec: Spec, status: str, reason: str | None, bound: float, step_times: list[float] | None = None,
+           peak_mb: float | None = None) -> RunRecord:
     """A run before the derived numbers (medians, speedups) are filled in by `finalise`."""
-    return {**describe(spec), "step_times_s": [round(t, 6) for t in step_times or []], "median_step_s": None,
-            "spread_s": None, "samples_per_s": None, "speedup_vs_single": None, "scaling_efficiency": None,
-            "bound": round(bound(spec), 4), "peak_memory_mb": peak_mb, "reference": REFERENCE.get(spec.strategy),
-            "vs_reference": None, "status": status, "reason": reason}
-
-
-def bound(spec: Spec) -> float:
-    """The best speedup over one worker this configuration allows: the workers for data parallel, and
-    K*M/(M+K-1) for a K-stage pipeline of M micro-batches (times the replicas of ddp+pp; K counts
-    distinct devices for a one-process pipeline, so two stages on one CPU core have K = 1)."""
-    s, w, m = spec.strategy, spec.workers, spec.microbatches or 1
-    if s in ("pp", "torch-pipelining"):
-        return w * m / (m + w - 1)
-    if s == "ddp+pp":
-        return w // 2 * (2 * m / (m + 1))
-    if s in ("mp", "torch-pipeline"):
-        k = len(set(spec.devices or ())) or 1
-        return k * m / (m + k - 1)
-    return float(w)
+    return RunRecord(strategy=spec.strategy, workers=spec.workers, microbatches=spec.microbatches,
+                     schedule=spec.schedule, step_times_s=[round(t, 6) for t in step_times or []],
+                     bound=round(bound, 4), peak_memory_mb=peak_mb, reference=REFERENCE.get(spec.strategy),
+                     status=status, reason=reason)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -69,26 +107,25 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def finalise(runs: list[dict[str, Any]], global_batch: int) -> list[dict[str, Any]]:
+def finalise(runs: list[RunRecord], global_batch: int) -> list[RunRecord]:
     """Fill in medians, spread (interquartile range), samples/s, speedups and the ratio to the reference."""
     for run in runs:
-        if run["status"] == "ok":
-            times = run["step_times_s"]
-            run["median_step_s"] = round(statistics.median(times), 6)
-            run["spread_s"] = round(quantile(times, 0.75) - quantile(times, 0.25), 6)
-            run["samples_per_s"] = round(global_batch / run["median_step_s"], 3)
-    single = next((r for r in runs if r["strategy"] == "single" and r["status"] == "ok"), None)
+        if run.status == "ok":
+            run.median_step_s = round(statistics.median(run.step_times_s), 6)
+            run.spread_s = round(quantile(run.step_times_s, 0.75) - quantile(run.step_times_s, 0.25), 6)
+            run.samples_per_s = round(global_batch / run.median_step_s, 3)
+    single = next((r for r in runs if r.strategy == "single" and r.status == "ok"), None)
     for run in runs:
-        if run["status"] != "ok":
+        if run.status != "ok" or run.median_step_s is None:
             continue
-        if single is not None:
-            speedup = single["median_step_s"] / run["median_step_s"]
-            run["speedup_vs_single"] = round(speedup, 4)
-            run["scaling_efficiency"] = round(speedup / run["workers"], 4)
-        ref = next((r for r in runs if r["strategy"] == run["reference"] and r["status"] == "ok"
-                    and r["workers"] == run["workers"] and r["microbatches"] == run["microbatches"]), None)
-        if ref is not None:
-            run["vs_reference"] = round(run["median_step_s"] / ref["median_step_s"], 4)
+        if single is not None and single.median_step_s is not None:
+            speedup = single.median_step_s / run.median_step_s
+            run.speedup_vs_single = round(speedup, 4)
+            run.scaling_efficiency = round(speedup / run.workers, 4)
+        ref = next((r for r in runs if r.strategy == run.reference and r.status == "ok"
+                    and r.workers == run.workers and r.microbatches == run.microbatches), None)
+        if ref is not None and ref.median_step_s is not None:
+            run.vs_reference = round(run.median_step_s / ref.median_step_s, 4)
     return runs
 
 
@@ -127,6 +164,16 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def as_json(results: dict[str, Any]) -> dict[str, Any]:
+    """The results document as results.json holds it (run records as plain dicts)."""
+    return {**results, "runs": [r.as_dict() if isinstance(r, RunRecord) else r for r in results["runs"]]}
+
+
+def from_json(data: dict[str, Any]) -> dict[str, Any]:
+    """A results.json document with its runs as typed records again (for reports and plots)."""
+    return {**data, "runs": [RunRecord.from_dict(r) for r in data["runs"]]}
+
+
 def validate(results: dict[str, Any]) -> None:
     """Raise ValueError naming every way `results` breaks the contract."""
     problems = [f"missing top-level key {k!r}" for k in TOP_KEYS if k not in results]
@@ -153,12 +200,12 @@ def _run_problems(run: dict[str, Any]) -> list[str]:
         out.append(f"status {run['status']!r} not in {STATUSES}")
     if not isinstance(run["workers"], int) or run["workers"] < 1:
         out.append("workers must be a positive integer")
-    pipelined = run["strategy"] in ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
+    pipelined = run["strategy"] in PIPELINED
     if run["microbatches"] is not None and not pipelined:
         out.append("microbatches must be null unless the strategy is pipelined")
     if run["microbatches"] is None and pipelined and run["status"] == "ok":
         out.append("an ok pipelined run needs its microbatches")
-    if run["schedule"] is not None and run["strategy"] not in ("pp", "ddp+pp", "torch-pipelining"):
+    if run["schedule"] is not None and run["strategy"] not in SCHEDULED:
         out.append("schedule must be null unless the strategy is pp-like")
     if run["status"] == "ok":
         if run["reason"] is not None:

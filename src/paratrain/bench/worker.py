@@ -8,11 +8,9 @@ configuration that raises is dropped after all ranks agree on it (with its reaso
 from __future__ import annotations
 
 import functools
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,12 +19,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 
-from ..runtime import read_placement
+from .. import runtime
 from . import references, workloads
-from .plan import Job, Settings, Spec
+from .jobs import Job, Settings, Spec
+from .timing import time_steps
 from .workloads import Batch, Workload
-
-_GROUP_STRATEGIES = ("ddp", "pp", "ddp+pp", "torch-ddp", "torch-pipelining", "no-comm")
 
 
 @dataclass
@@ -52,12 +49,12 @@ def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settin
     model = workload.model()
     if settings.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=workload.lr))
-    model.train()
     loader = run.prepare_loader(DataLoader(TensorDataset(*data), batch_size=run.per_worker_batch(settings.batch)))
     inputs, targets = (t.to(run.device) for t in next(iter(loader)))
     if settings.channels_last and inputs.dim() == 4:
         inputs = inputs.contiguous(memory_format=torch.channels_last)
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=workload.lr), example=inputs)
+    model.train()
     loss_fn = workload.loss()
 
     def step() -> None:
@@ -73,15 +70,13 @@ def _device(settings: Settings, rank: int) -> torch.device:
 
 
 def _init_group(job: Job, settings: Settings) -> None:
-    """Started here with plain torch (as the tutorials do) so the references have it whichever side runs
-    first; `paratrain.setup` finds it initialised and uses it."""
-    if dist.is_initialized() or not any(s.strategy in _GROUP_STRATEGIES for s in job.specs):
+    """A job of several workers starts its process group first, so the references have it whichever side
+    runs first; `paratrain.setup` finds it initialised and uses it."""
+    if job.nproc == 1:
         return
-    placement = read_placement()
-    if settings.gpus:
-        torch.cuda.set_device(placement.local_rank)
-    dist.init_process_group("nccl" if settings.gpus else "gloo", init_method="env://",
-                            timeout=timedelta(seconds=settings.timeout_s))
+    placement = runtime.read_placement()
+    device = runtime.pick_device("cuda" if settings.gpus else "cpu", placement.local_rank)
+    runtime.init_process_group(placement, runtime.pick_backend(None, device), None, settings.timeout_s, device)
 
 
 def _multi() -> bool:
@@ -106,63 +101,13 @@ def _reason(exc: BaseException) -> str:
     return " ".join(line.strip() for line in lines)[-600:]
 
 
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # "5" resets the peak resident set size (VmHWM) of this process (Linux)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _peak_mb(devices: list[torch.device]) -> float:
-    """Peak memory during the last block: CUDA allocations, or the process's peak RSS on CPU."""
-    cuda = [d for d in devices if d.type == "cuda"]
-    if cuda:
-        return max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _devices(spec: Spec, device: torch.device) -> list[torch.device]:
-    return [torch.device(d) for d in spec.devices] if spec.devices else [device]
-
-
-def _sync(devices: list[torch.device]) -> None:
-    for d in devices:
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-
-
 def _block(side: _Side, count: int, device: torch.device) -> list[float]:
-    """`count` steps; each step's time is the slowest rank's."""
+    """`count` steps of one side, timed by the bench's one harness."""
     assert side.step is not None
-    devices = _devices(side.spec, device)
-    if _multi():
-        dist.barrier()
-    for d in devices:
-        _reset_peak(d)
-    local = []
-    for _ in range(count):
-        start = time.perf_counter()
-        side.step()
-        _sync(devices)
-        local.append(time.perf_counter() - start)
-    stats = torch.tensor([*local, _peak_mb(devices)], dtype=torch.float64, device=device)
-    if _multi():
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    side.peak_mb = max(side.peak_mb, float(stats[-1]))
-    return [float(t) for t in stats[:-1]]
+    devices = [torch.device(d) for d in side.spec.devices] if side.spec.devices else [device]
+    times, peak_mb = time_steps(side.step, count, devices, device)
+    side.peak_mb = max(side.peak_mb, peak_mb)
+    return times
 
 
 def _build(spec: Spec, workload: Workload, data: Batch, settings: Settings,

@@ -21,8 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
-from ..faults.diagnose import is_comm_failure
+from ..errors import CheckpointError, is_comm_failure
 from . import rng, sharded, store
 from . import state as state_mod
 from .state import Unwrap

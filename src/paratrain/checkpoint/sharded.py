@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
-from ..faults.diagnose import is_comm_failure
+from ..errors import CheckpointError, is_comm_failure
 from .state import Unwrap
 
 _DIR = "model"

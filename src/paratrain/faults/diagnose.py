@@ -33,20 +33,6 @@ _SKIP_DIRS = tuple(
     for p in {Path(__file__).resolve().parents[1], Path(torch.__file__).resolve().parent,
               Path(sysconfig.get_paths()["stdlib"])}
 )
-_MARKERS = ("timed out", "connection closed", "connection reset", "broken pipe", "gloo", "nccl",
-            "processgroup", "socket", "peer")
-
-
-def is_comm_failure(exc: BaseException) -> bool:
-    """True for errors a collective raises when a peer is missing, dead or diverged."""
-    import torch.distributed as dist
-
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(m in text for m in _MARKERS)
-
-
 @functools.lru_cache(maxsize=1024)
 def _is_user(filename: str) -> bool:
     try:

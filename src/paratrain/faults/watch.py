@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import CollectiveTimeout
+from ..errors import CollectiveTimeout, is_comm_failure
 from . import diagnose
 
 _KEY = "paratrain/beat/"
@@ -123,7 +123,7 @@ class Watch:
         try:
             yield
         except Exception as exc:
-            if isinstance(exc, CollectiveTimeout) or not diagnose.is_comm_failure(exc):
+            if isinstance(exc, CollectiveTimeout) or not is_comm_failure(exc):
                 raise
             raise CollectiveTimeout(self.diagnose(exc)) from exc
         finally:

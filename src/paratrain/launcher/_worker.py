@@ -49,7 +49,10 @@ def _report(workdir: Path, rank: int, exc: BaseException) -> None:
         error = None
     _write(workdir, f"error-{rank}.pkl",
            cloudpickle.dumps({"time": failed_at, "traceback": text, "summary": summary, "error": error}))
-    sys.stderr.write(f"failed: {summary} (traceback raised in the launching process)\n")
+    from paratrain.errors import ParatrainError
+
+    if not isinstance(exc, ParatrainError):  # those name their fix; the launcher says it once for all ranks
+        sys.stderr.write(f"failed: {summary} (traceback raised in the launching process)\n")
 
 
 def _close_process_group() -> None:

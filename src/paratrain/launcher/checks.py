@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ParatrainError
-from ..runtime import cuda_count, port_is_free
+from ..runtime import check_nproc, cuda_count, port_is_free
 
 
 @dataclass(kw_only=True)
@@ -16,6 +16,7 @@ class LaunchSpec:
     min_nodes: int = 1
     max_nodes: int = 1
     node_rank: int = 0
+    """Node 0 hosts the rendezvous store; the c10d rendezvous numbers the nodes itself."""
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     max_restarts: int = 0
@@ -25,6 +26,8 @@ class LaunchSpec:
     timeout: float | None = None
     """Collective timeout passed to workers (seconds)."""
     run_id: str = "paratrain"
+    origin: str = ""
+    """Where the node fields came from when not from flags (a Slurm job step), for --dry-run."""
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -38,15 +41,10 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
-def check(spec: LaunchSpec) -> None:
+def check(spec: LaunchSpec, reach_master: bool = True) -> None:
+    """Refuse bad input; with `reach_master`, also wait (up to --connect-timeout) for node 0's store."""
     gpus = cuda_count()
-    if spec.nproc < 1:
-        raise ParatrainError(f"--nproc must be >= 1, got {spec.nproc}")
-    if gpus and spec.nproc > gpus:
-        raise ParatrainError(
-            f"--nproc {spec.nproc} but this machine has {gpus} GPU(s); use --nproc {gpus} or fewer "
-            "(one worker per GPU), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run CPU workers"
-        )
+    check_nproc(spec.nproc, gpus, "--nproc", "hide the GPUs (CUDA_VISIBLE_DEVICES=)")
     if spec.backend == "nccl" and not gpus:
         raise ParatrainError("--backend nccl needs CUDA GPUs and none are visible; use --backend gloo on CPU")
     if spec.backend not in (None, "gloo", "nccl"):
@@ -59,13 +57,14 @@ def check(spec: LaunchSpec) -> None:
     multi = spec.max_nodes > 1
     if multi and spec.master_port is None:
         raise ParatrainError("a multi-node run needs --master-port (the same on every node) and --master-addr")
-    hosts_store = spec.node_rank == 0 and _is_local(spec.master_addr)
-    if spec.master_port is not None and hosts_store and not port_is_free(spec.master_port, _bind_addr(spec)):
+    hosts_store = spec.node_rank == 0  # told so (is_host): waiting for its own store would never end
+    local = hosts_store and _is_local(spec.master_addr)
+    if spec.master_port is not None and local and not port_is_free(spec.master_port, _bind_addr(spec)):
         raise ParatrainError(
             f"--master-port {spec.master_port} is already in use on this machine; choose another port "
             "(or omit --master-port on a single machine to get a free one)"
         )
-    if multi and not hosts_store:
+    if multi and not hosts_store and reach_master:
         wait_for_master(spec.master_addr, spec.master_port or 0, spec.connect_timeout)
 
 

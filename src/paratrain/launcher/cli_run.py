@@ -9,12 +9,23 @@ and clear errors before anything starts.
 from __future__ import annotations
 
 import os
-import uuid
+import shlex
+import signal
+import sys
+from typing import TYPE_CHECKING
 
 from .. import file_store
 from ..errors import ParatrainError
-from ..runtime import cuda_count
+from ..runtime import cuda_count, torchrun_variables
 from .checks import LaunchSpec, check
+from .cluster import TORCHRUN_VARIABLES
+from .failures import Failure, describe
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+_CONSUMED = [*TORCHRUN_VARIABLES, "RDZV_ENDPOINT"]
+"""torchrun's variables that `cluster.from_torchrun` turned into flags."""
 
 _LAST_CALL_S = 3
 """Seconds an elastic rendezvous waits for more nodes once --nnodes MIN have joined."""
@@ -32,8 +43,9 @@ def torchrun_args(spec: LaunchSpec, script: str, script_args: list[str]) -> list
             # torch's defaults (a lost node noticed after 3 x 5 s keep-alives, then 30 s of "last call" for
             # more nodes) make every elastic restart cost ~45 s; a few seconds suit jobs of a few nodes.
             conf += [f"last_call_timeout={_LAST_CALL_S}", "keep_alive_interval=1", "keep_alive_max_attempt=3"]
+        # No --node-rank: the c10d rendezvous numbers the nodes itself, and torch warns that it ignores one.
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={spec.run_id}",
-                 f"--rdzv-conf={','.join(conf)}", f"--node-rank={spec.node_rank}"]
+                 f"--rdzv-conf={','.join(conf)}"]
         if spec.min_nodes != spec.max_nodes:
             args.append("--monitor-interval=0.5")
     return args + [script, *script_args]
@@ -50,6 +62,7 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     if spec.timeout:
         env["PARATRAIN_TIMEOUT"] = str(spec.timeout)
     env["PARATRAIN_CONNECT_TIMEOUT"] = str(spec.connect_timeout)
+    env["PARATRAIN_REPORTS_FAILURES"] = "1"  # a worker's ParatrainError is printed once, in our summary
     # torchrun shares its rendezvous TCPStore with the workers by default, without a per-restart key
     # prefix: restarted workers then read the previous generation's gloo/NCCL addresses and fail to
     # connect or hang (pytorch/pytorch#135712). A fresh store per rendezvous round keeps restarts clean.
@@ -75,12 +88,18 @@ def check_init(spec: LaunchSpec) -> None:
     file_store.preflight(store_path, expect_idle=False)
 
 
-def run(spec: LaunchSpec, script: str, script_args: list[str]) -> int:
-    check(spec)
+def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = False) -> int:
+    check(spec, reach_master=not dry_run)
     check_init(spec)
     if not os.path.exists(script):
         raise ParatrainError(f"script {script!r} not found")
+    if dry_run:
+        print(dry_run_text(spec, script, script_args), flush=True)
+        return 0
     os.environ.update(worker_env(spec))
+    for name in _CONSUMED:
+        # Now flags: torchrun's parser would read them again (PET_NODE_RANK, which c10d ignores with a warning).
+        os.environ.pop(f"PET_{name}", None)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -93,12 +112,36 @@ def run(spec: LaunchSpec, script: str, script_args: list[str]) -> int:
               "checkpoint first", flush=True)
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        failures = exc.failures
-        ranks = sorted(failures)
-        print(f"paratrain run: worker rank(s) {ranks} failed; first failure:\n{exc.format_msg()}", flush=True)
+        world = spec.nproc * spec.max_nodes if spec.min_nodes == spec.max_nodes else None
+        print(f"paratrain run: {describe(map(_failure, exc.failures.items()), world)}", flush=True)
         return 1
     return 0
 
 
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:8]
+def dry_run_text(spec: LaunchSpec, script: str, script_args: list[str]) -> str:
+    """The exact agent invocation, as a command to paste into a shell; the rest of the environment is inherited."""
+    present = torchrun_variables()
+    unset = [arg for name in _CONSUMED if name in present for arg in ("-u", f"PET_{name}")]
+    env = [f"{k}={v}" for k, v in sorted(worker_env(spec).items())]
+    agent = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(spec, script, script_args)]
+    command = ["env", *unset, *env, *agent]
+    where = f" ({spec.origin})" if spec.origin else ""
+    return f"# paratrain run would start{where}:\n{shlex.join(command)}"
+
+
+def _failure(item: tuple[int, ProcessFailure]) -> Failure:
+    """One rank's report from torchrun's error file (see `runtime.install_error_file_hook`), else its exit code."""
+    rank, failure = item
+    data = failure.error_file_data.get("message")
+    if isinstance(data, dict):
+        extra = data.get("extraInfo", {})
+        when = float(extra.get("time", extra.get("timestamp", failure.timestamp)))
+        return Failure(rank, str(data.get("message")), str(extra.get("py_callstack") or data.get("message")), when)
+    if failure.exitcode in (-signal.SIGTERM, 128 + signal.SIGTERM):  # the agent ends the others after a failure
+        ended = "stopped by the launcher after the first failure (SIGTERM)"
+    elif failure.exitcode < 0:
+        ended = f"ended by signal {failure.signal_name()} without a Python error"
+    else:
+        ended = f"exited with code {failure.exitcode} without a Python error"
+    return Failure(rank, ended, ended, float(failure.timestamp))
+

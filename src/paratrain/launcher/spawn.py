@@ -25,40 +25,34 @@ import torch.distributed as dist
 
 from .. import file_store
 from ..errors import ParatrainError
-from ..runtime import cuda_count
+from ..runtime import worker_count
 from . import _procs
+from .failures import ranks_text
+
+_SETTLE_S = 2.0
+"""Seconds to wait, after a first failure, for the other workers' reports: an error raised on every rank
+(a batch that does not split) then comes back once, naming all of them. Peers waiting in a collective on
+the failed rank usually fail within moments too, so the wait is rarely this long."""
 
 
 class WorkerFailed(ParatrainError):
     """A worker raised or died. `rank` is the first to fail, `detail` its traceback, `error` its exception
-    (when it could be sent back), `others` the one-line reports of ranks that failed after it."""
+    (when it could be sent back), `others` the one-line reports of ranks that failed after it. Ranks whose
+    report is the first one's (`summary`) are named together with it, and its traceback is shown once."""
 
     def __init__(self, rank: int, nproc: int, detail: str, error: BaseException | None = None,
-                 others: dict[int, str] | None = None) -> None:
-        also = f" (then rank(s) {sorted(others)} too)" if others else ""
+                 others: dict[int, str] | None = None, summary: str | None = None) -> None:
+        others = others or {}
+        same = [r for r, line in others.items() if summary is not None and line == summary]
+        differ = sorted(set(others) - set(same))
+        who = ranks_text([rank, *same]) + f" of {nproc} failed" + (" with the same error" if same else "")
+        also = f" (then rank(s) {differ} too)" if differ else ""
         # The worker's own exception stays the last line: callers quote it as the reason.
-        super().__init__(f"worker rank {rank} of {nproc} failed{also}; all workers were stopped:\n{detail.rstrip()}")
+        super().__init__(f"worker {who}{also}; all workers were stopped:\n{detail.rstrip()}")
         self.rank = rank
         self.detail = detail
         self.error = error
-        self.others = others or {}
-
-
-def _check_nproc(nproc: int | None, accelerator: str) -> int:
-    if accelerator not in ("auto", "cpu", "cuda"):
-        raise ParatrainError(f"accelerator must be auto, cpu or cuda, got {accelerator!r}")
-    gpus = 0 if accelerator == "cpu" else cuda_count()
-    if accelerator == "cuda" and not gpus:
-        raise ParatrainError("accelerator='cuda' but no CUDA GPU is visible; use accelerator='cpu' (or 'auto')")
-    nproc = nproc if nproc is not None else (gpus or 1)
-    if nproc < 1:
-        raise ParatrainError(f"nproc must be >= 1, got {nproc}")
-    if gpus and nproc > gpus:
-        raise ParatrainError(
-            f"nproc={nproc} but only {gpus} GPU(s) are visible: one worker per GPU allows at most nproc={gpus}; "
-            f"use nproc<={gpus}, or accelerator='cpu' to run {nproc} CPU workers"
-        )
-    return nproc
+        self.others = others
 
 
 def launch(
@@ -73,7 +67,7 @@ def launch(
     workers. CPU workers get `threads_per_worker` threads each. `init="file:///path"` makes setup() use a
     file store there. A failing worker raises `WorkerFailed` here; `timeout` (seconds) bounds the whole run.
     """
-    nproc = _check_nproc(nproc, accelerator)
+    nproc = worker_count(nproc, accelerator)
     store_path = file_store.path_of(init) if init else None
     if store_path:
         file_store.preflight(store_path, expect_idle=True)
@@ -130,6 +124,9 @@ def _wait(workers: list[_procs.Worker], workdir: Path, timeout: float | None) ->
     while True:
         codes = [w.code for w in workers]
         if any(c not in (None, 0) for c in codes):
+            settle = time.monotonic() + _SETTLE_S
+            while any(w.code is None for w in workers) and time.monotonic() < settle:
+                time.sleep(0.02)
             raise _failure(workers, workdir)
         if all(c == 0 for c in codes):
             return
@@ -154,7 +151,7 @@ def _failure(workers: list[_procs.Worker], workdir: Path) -> WorkerFailed:
         except Exception:
             pass
         others = {r: rep["summary"] for r, rep in reports.items() if r != rank}
-        return WorkerFailed(rank, len(workers), reports[rank]["traceback"], error, others)
+        return WorkerFailed(rank, len(workers), reports[rank]["traceback"], error, others, reports[rank]["summary"])
     worker = next(w for w in workers if w.code not in (None, 0))
     code = worker.code or 0
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"

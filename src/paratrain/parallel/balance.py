@@ -56,6 +56,8 @@ def _detached(value: Any, device: torch.device | None) -> Any:
         return value.requires_grad_().clone()  # not a leaf: a layer may work in place (ReLU(inplace=True))
     if isinstance(value, list | tuple):
         return type(value)(_detached(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v, device) for k, v in value.items()}
     return value
 
 
@@ -67,7 +69,8 @@ def _device_of(module: nn.Module) -> torch.device | None:
 
 def profile_layers(layers: Sequence[Layer], sample: Any, repeats: int = 3) -> list[LayerCost]:
     """Per-layer forward+backward seconds (fastest of `repeats` after a warm-up), parameter and
-    activation bytes. Each layer runs where its parameters are; the model is left exactly as found."""
+    activation bytes: `sample` is the first layer's input, each layer gets the previous one's output.
+    Each layer runs where its parameters are; the model is left exactly as found."""
     modules = [m for _, m in layers]
     seconds: list[list[float]] = [[] for _ in layers]
     activations = [0] * len(layers)
@@ -81,7 +84,7 @@ def profile_layers(layers: Sequence[Layer], sample: Any, repeats: int = 3) -> li
                 synchronize(devices)
                 start = time.perf_counter()
                 with meter.measure():
-                    y = module(*x) if i == 0 and isinstance(x, tuple) else module(x)
+                    y = module(x)
                 outs = _float_tensors(y)
                 if outs:
                     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])

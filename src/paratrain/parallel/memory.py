@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -40,13 +40,21 @@ class _Held:
 
 
 class ActivationMeter:
-    """Live and peak bytes of distinct storages saved for backward while active."""
+    """Live and peak bytes of distinct storages saved for backward while active.
+
+    `owner` names who is running (a stage index); each storage is charged to the owner that first
+    saved it, so one meter over a whole scheduled step also gives every stage's own live and peak bytes.
+    """
 
     def __init__(self, exclude: Iterable[nn.Module] = ()) -> None:
         self._skip = {p.untyped_storage().data_ptr() for m in exclude for p in m.parameters()}
-        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references, owner]
         self.current = 0
         self.peak = 0
+        self.owner = -1
+        self.owned: dict[int, int] = {}
+        """Live bytes per owner."""
+        self.owned_peak: dict[int, int] = {}
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
@@ -55,14 +63,19 @@ class ActivationMeter:
         key = storage.data_ptr()
         if key in self._skip or key == 0:
             return tensor
-        entry = self._live.setdefault(key, [storage.nbytes(), 0])
+        entry = self._live.setdefault(key, [storage.nbytes(), 0, self.owner])
         if entry[1] == 0:
-            self.current += entry[0]
-            self.peak = max(self.peak, self.current)
+            self._charge(entry[2], entry[0])
         entry[1] += 1
         held = _Held(tensor)
         weakref.finalize(held, self._release, key)
         return held
+
+    def _charge(self, owner: int, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        self.owned[owner] = self.owned.get(owner, 0) + nbytes
+        self.owned_peak[owner] = max(self.owned_peak.get(owner, 0), self.owned[owner])
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)
@@ -71,6 +84,7 @@ class ActivationMeter:
         entry[1] -= 1
         if entry[1] == 0:
             self.current -= entry[0]
+            self.owned[entry[2]] -= entry[0]
             del self._live[key]
 
     @staticmethod
@@ -81,6 +95,36 @@ class ActivationMeter:
     def measure(self) -> Iterator[ActivationMeter]:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
+
+
+@contextmanager
+def watch_stages(stages: Sequence[nn.Module],
+                 indices: Sequence[int]) -> Iterator[tuple[ActivationMeter, dict[int, int]]]:
+    """Measure a training step of pipeline stages: yields the meter (its peak, and each stage's own peak
+    under `owned_peak`) and a dict filled with the bytes one micro-batch's forward saves, per stage index
+    (the largest over the micro-batches seen). Storages saved outside any stage (the loss) are charged to
+    the stage that ran last, as they belong to its micro-batch. The stages' forwards are wrapped for the
+    duration only; no module hooks are left behind."""
+    meter = ActivationMeter(exclude=stages)
+    first: dict[int, int] = {}
+
+    def watched(forward: Any, index: int) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            meter.owner = index
+            start = meter.owned.get(index, 0)
+            out = forward(*args, **kwargs)
+            first[index] = max(first.get(index, 0), meter.owned.get(index, 0) - start)
+            return out
+        return run
+
+    for stage, index in zip(stages, indices):
+        stage.forward = watched(stage.forward, index)  # type: ignore[method-assign]
+    try:
+        with meter.measure():
+            yield meter, first
+    finally:
+        for stage in stages:
+            del stage.forward  # the class's forward again
 
 
 def in_flight(pipeline_order: dict[int, list[Any]] | None, rank: int, stage_bytes: dict[int, int]) -> tuple[int, int]:

@@ -13,24 +13,34 @@ The outputs are concatenated and the loss is taken on the whole batch, so the lo
 the unsplit model's (uneven micro-batches included). One backward call then overlaps across devices
 too: autograd runs each device's part of the graph on that device's own worker thread.
 
-The model is split at the first forward, when a sample batch exists to measure layers with.
+The model is split and placed when the pipeline is constructed (inside `run.prepare`), measuring its
+layers on the example batch when balancing by time or memory, so the optimizer is pointed at the
+final parameters once and for all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import batchnorm, randomness
 from .balance import choose_balance, describe
-from .memory import ActivationMeter, StageMemory, format_report, param_bytes
-from .microbatch import Search, divisors, merge, search, split
+from .batchnorm import check_microbatches
+from .memory import StageMemory, format_report, param_bytes, watch_stages
+from .microbatch import batch_size, divisors, merge, split
+from .options import example_needed
 from .partition import Stage, equal_balance, layers_of, split_into_stages, too_few_layers
 from .plan import Plan
 from .streams import Copier
-from .trial import no_trace, step_time
+from .tied import check_one_device
+from .trial import step_time
+from .tuning import tune_microbatches
+
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def clock_cycles(microbatches: int, stages: int) -> list[list[tuple[int, int]]]:
@@ -43,39 +53,40 @@ class MPPipeline(nn.Module):
     """The user's model split over `devices`; trains like the model itself (`pipe(x)` -> output)."""
 
     def __init__(self, model: nn.Module, devices: Sequence[torch.device], microbatches: int | str = 1,
-                 balance: Sequence[int] | str = "time") -> None:
+                 balance: Sequence[int] | str = "time", example: Any = None, *, strategy: str = "mp",
+                 verbose: bool = True, agree: Callable[[list[float]], list[float]] | None = None,
+                 batchnorm: str = "exact") -> None:
+        """`agree` makes processes that each hold a replica (ddp+mp) measure, and so split, identically."""
         super().__init__()
-        if isinstance(microbatches, int) and microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1 or 'auto', got {microbatches}")
         self.model = model
         self.devices = [torch.device(d) for d in devices]
         self.microbatches: int | str = microbatches
-        self.requested_balance = balance
-        self.stages: list[Stage] = []
-        self.plan = Plan(strategy="mp", stages=len(self.devices), microbatches=microbatches)
+        self.plan = Plan(strategy=strategy, stages=len(self.devices), microbatches=microbatches, verbose=verbose)
         self._copier = Copier(self.devices)
-        self._meters: list[ActivationMeter] | None = None
-        self._first: dict[int, int] = {}
-        self.agree: Callable[[list[float]], list[float]] | None = None
-        """Makes processes that each hold a replica (ddp+mp) measure, and so split, identically."""
+        self.stages: list[Stage] = []
+        self.deferred_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
+        self._build(balance, example, agree)
 
-    @property
-    def built(self) -> bool:
-        return bool(self.stages)
-
-    def build(self, sample: tuple[Any, ...]) -> None:
+    def _build(self, requested: Sequence[int] | str, sample: Any,
+               agree: Callable[[list[float]], list[float]] | None) -> None:
         """Split and place the model, measuring layers where they will run when balancing by time."""
         k = len(self.devices)
-        layers = layers_of(self.model, sample)
+        measured = isinstance(requested, str) and requested in ("time", "memory")
+        if sample is None and (measured or not isinstance(self.model, nn.Sequential)):
+            why = (f"balance={requested!r} measures the layers" if measured
+                   else f"{type(self.model).__name__} is not an nn.Sequential and is traced to be split")
+            raise example_needed(f"strategy {self.plan.strategy!r}", why)
+        layers = layers_of(self.model, sample, defer_batchnorm=self.deferred_batchnorm)
         if len(layers) < k:
             raise too_few_layers(len(layers), k)
-        if isinstance(self.requested_balance, str) and self.requested_balance in ("time", "memory"):
+        if measured:
             self._place(split_into_stages(layers, equal_balance(len(layers), k)))  # measure on the devices
-        balance, costs = choose_balance(self.requested_balance, layers, k, sample=sample, agree=self.agree)
+        balance, costs = choose_balance(requested, layers, k, sample=sample, agree=agree)
         self._place(split_into_stages(layers, balance))
+        check_one_device(self.model, self.stages, self.devices)
         self.plan.balance = balance
         self.plan.layer_costs = costs
-        self.plan.note(describe(balance, costs, self.requested_balance))
+        self.plan.note(describe(balance, costs, requested))
 
     def _place(self, stages: list[Stage]) -> None:
         for stage, device in zip(stages, self.devices):
@@ -83,63 +94,78 @@ class MPPipeline(nn.Module):
         self.stages = stages
         self._stage_modules = nn.ModuleList(stages)  # registered, so .train()/.eval() reach traced pieces
 
-    def forward(self, *inputs: Any) -> Any:
-        if not self.built:
-            self.build(inputs)
-        if not isinstance(self.microbatches, int):
-            raise RuntimeError("microbatches='auto' is resolved by the strategy before the first forward")
-        k, m = len(self.stages), self.microbatches
+    def forward(self, inputs: Any) -> Any:
+        k = len(self.stages)
+        m = self.microbatches if isinstance(self.microbatches, int) else 1  # "auto" before it is resolved
         chunks = split(inputs, m) if m > 1 else [inputs]
         m = len(chunks)
+        starts = [0]
+        for chunk in chunks[:-1]:
+            starts.append(starts[-1] + batch_size(chunk))
         values: list[Any] = list(chunks)
         for pairs in clock_cycles(m, k):
             for i, j in pairs:
                 x = self._copier.to(values[i], self.devices[j])
-                if self._meters is None:
-                    values[i] = self.stages[j](*x) if j == 0 else self.stages[j](x)
-                    continue
-                before = self._meters[j].current
-                with self._meters[j].measure():
-                    values[i] = self.stages[j](*x) if j == 0 else self.stages[j](x)
-                self._first.setdefault(j, self._meters[j].current - before)
+                with randomness.rows_offset(starts[i]):  # dropout masks follow the rows, not the split
+                    values[i] = self.stages[j](x)
         return merge(values) if m > 1 else values[0]
 
     def measure_memory(self, step: Callable[[], Any]) -> Any:
         """Run `step` (a real forward and backward) watching what each stage saves for backward."""
-        self._meters = [ActivationMeter(exclude=[stage]) for stage in self.stages]
-        self._first = {}
-        try:
+        with watch_stages(self.stages, range(len(self.stages))) as (meter, first):
             result = step()
-        finally:
-            meters, self._meters = self._meters, None
         m = self.microbatches if isinstance(self.microbatches, int) else 1
         self.plan.memory = [
             StageMemory(stages=[j], params_bytes=param_bytes(stage),
-                        activation_per_microbatch_bytes=self._first.get(j, 0), in_flight_bound=m,
-                        activation_bound_bytes=m * self._first.get(j, 0), peak_activation_bytes=meter.peak)
-            for j, (stage, meter) in enumerate(zip(self.stages, meters))
+                        activation_per_microbatch_bytes=first.get(j, 0), in_flight_bound=m,
+                        activation_bound_bytes=m * first.get(j, 0), peak_activation_bytes=meter.owned_peak.get(j, 0))
+            for j, stage in enumerate(self.stages)
         ]
         if self.plan.verbose:
             print(format_report(self.plan.memory, "mp (all forwards, then one backward)", m), flush=True)
         return result
 
 
-def tune(pipe: MPPipeline, step: Callable[[], Any], batch: int, reduce_max: Callable[[float], float] | None = None,
-         repeats: int = 3) -> Search:
-    """Resolve microbatches='auto' by timing trial steps (`step` runs forward and backward)."""
-    def measure(m: int) -> float:
-        pipe.microbatches = m
-        seconds = step_time(step, repeats, warmup=1, devices=pipe.devices)
-        return reduce_max(seconds) if reduce_max else seconds
-
-    with no_trace([pipe.model]):
-        found = search(measure, divisors(batch), len(pipe.stages))
-    pipe.microbatches = found.best
-    pipe.plan.microbatches = found.best
-    pipe.plan.search = found
-    pipe.plan.note(f"microbatches auto -> {found.best} (measured {len(found.curve)} counts in "
-                   f"{found.seconds:.2f}s: " + ", ".join(f"{m}: {t * 1e3:.1f}ms" for m, t in found.curve.items()) + ")")
-    return found
+def _on(value: Any, like: Any) -> Any:
+    device = like.device if isinstance(like, torch.Tensor) else None
+    if device is None and isinstance(like, list | tuple) and like and isinstance(like[0], torch.Tensor):
+        device = like[0].device
+    if isinstance(value, torch.Tensor) and device is not None:
+        return value.to(device, non_blocking=True)
+    return value
 
 
-__all__ = ["MPPipeline", "clock_cycles", "tune"]
+def train_step(module: nn.Module, pipe: MPPipeline, inputs: Any, targets: Any, loss_fn: LossFn,
+               backward: Callable[[torch.Tensor], None],
+               no_sync: Callable[[], AbstractContextManager[Any]] = nullcontext,
+               reduce_max: Callable[[float], float] | None = None) -> torch.Tensor:
+    """One micro-step through `module` (the pipeline, or DDP around it); returns this process's loss.
+
+    The first step resolves microbatches="auto" by trial steps (without gradient sync, leaving no
+    trace) and watches memory."""
+    if pipe.microbatches == "auto":
+        def trial() -> None:
+            with no_sync():
+                out = module(inputs)
+                loss_fn(out, _on(targets, out)).backward()
+
+        def measure(m: int) -> float:
+            pipe.microbatches = m
+            seconds = step_time(trial, repeats=3, warmup=1, devices=pipe.devices)
+            return reduce_max(seconds) if reduce_max else seconds
+
+        pipe.microbatches = tune_microbatches(pipe.plan, measure, divisors(batch_size(inputs)), len(pipe.stages),
+                                              [pipe.model])
+
+    def real() -> torch.Tensor:
+        out = module(inputs)
+        loss = loss_fn(out, _on(targets, out))
+        backward(loss)
+        return loss
+
+    loss = pipe.measure_memory(real) if pipe.plan.memory is None else real()
+    batchnorm.commit()  # running statistics move once per step, from all micro-batches
+    return loss  # type: ignore[no-any-return]
+
+
+__all__ = ["MPPipeline", "clock_cycles", "train_step"]

@@ -1,29 +1,38 @@
 """Split a model into K pipeline stages of consecutive layers.
 
-An `nn.Sequential` is split by its children. Any other model is traced by torch.distributed.pipelining's
-front end with a split point before every top-level child, which yields a chain of graph modules that
-still own the original parameter objects (so an optimizer built on the user's model keeps working).
+An `nn.Sequential` is split between its children. Any other model is traced (`tracing`) and cut before
+each of its layers (`graph_split`): top-level children and the items of containers of blocks, in the
+model's own names, with any number of values (dicts, tuples, skip connections) crossing each cut.
 
-A `Stage` registers each layer under its name in the original model, so a stage's state_dict keys are
-the unsplit model's keys for the layers it holds: checkpoints and weight comparisons line up with the
-single-process model.
+Every layer takes one value and returns one: a Sequential child its input, the first traced segment
+the model's input, later segments a tuple of the values crossing the cut. A `Stage` runs its layers in
+order and registers the user's modules under their paths in the original model, so a stage's
+state_dict keys are the unsplit model's keys for what it holds: checkpoints and weight comparisons line
+up with the single-process model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..errors import ParatrainError
+from . import randomness
+from .batchnorm import defer_modules
+from .graph_split import GraphSegment, traced_segments
+from .microbatch import batch_size
+from .options import example_needed
 
 Layer = tuple[str, nn.Module]
 
 
 class Stage(nn.Module):
-    """Consecutive layers run in order; the first gets the stage's inputs, each next one the previous output."""
+    """Consecutive layers run in order, each on the previous one's output."""
 
     def __init__(self, layers: Sequence[Layer], index: int = 0) -> None:
         super().__init__()
@@ -32,12 +41,27 @@ class Stage(nn.Module):
         self._chain = [module for _, module in layers]  # a plain list: registration happens below, by name
         for name, module in layers:
             _register(self, name, module)
+        self.inputs_spec: Any = None
+        """Set on a first stage that receives its input as flat tensors (a multi-process pipeline sends
+        tensors only): the input's structure, rebuilt before the first layer."""
+        self.outputs_spec: Any = None
+        """Set (to a placeholder) on a last stage that must return tensors only: the output's structure,
+        recorded at each forward so the loss and the caller get the output as the model returns it."""
+        self.row_cursor: int | None = None
+        """Set by a pipeline whose schedule runs this stage's micro-batches in order: the next one's first
+        row within the step's batch, so dropout masks follow the rows wherever they run."""
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Stage:
         super()._apply(fn, *args, **kwargs)
-        for module in self._chain:  # a traced piece's own buffers are not registered here; move them too
-            if isinstance(module, torch.fx.GraphModule):
-                module._apply(fn, *args, **kwargs)
+        for module in self._chain:  # a traced segment reads buffers through its graphs: point them anew
+            if isinstance(module, GraphSegment):
+                module.repoint()
+        return self
+
+    def train(self, mode: bool = True) -> Stage:
+        super().train(mode)
+        for module in self._chain:  # traced segments are not registered children (their modules are)
+            module.train(mode)
         return self
 
     def forward(self, *args: Any) -> Any:
@@ -45,22 +69,57 @@ class Stage(nn.Module):
         # may not modify a leaf, but may modify a copy, and gradients flow through the copy unchanged.
         args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
                      for a in args)
-        out = self._chain[0](*args)
-        for module in self._chain[1:]:
-            out = module(out)
+        if self.inputs_spec is not None:
+            out = pytree.tree_unflatten(list(args), self.inputs_spec)
+        else:
+            out = args[0] if len(args) == 1 else args
+        rows = randomness.rows_offset(self.row_cursor) if self.row_cursor is not None else nullcontext()
+        with rows:
+            if self.row_cursor is not None:
+                self.row_cursor += batch_size(out)
+            for module in self._chain:
+                out = module(out)
+        if self.outputs_spec is not None:
+            leaves, self.outputs_spec = pytree.tree_flatten(out)
+            return tuple(leaves)
         return out
+
+    def rebuild(self, leaves: Any) -> Any:
+        """The output as the model returns it, from what a flattening last stage returned."""
+        flat = list(leaves) if isinstance(leaves, list | tuple) else [leaves]
+        return pytree.tree_unflatten(flat, self.outputs_spec)
 
 
 def _register(owner: nn.Module, name: str, module: nn.Module) -> None:
-    if isinstance(module, torch.fx.GraphModule):  # traced piece: its children carry the original names
+    if isinstance(module, GraphSegment):  # a traced segment: the user's modules it holds, under their paths
         for child_name, child in module.named_children():
-            owner.add_module(child_name, child)
+            if child_name not in owner._modules:
+                owner.add_module(child_name, child)
+            else:
+                _merge(owner._modules[child_name], child)  # type: ignore[arg-type]
         for pname, param in module.named_parameters(recurse=False):
             owner.register_parameter(pname, param)
         for bname, buf in module.named_buffers(recurse=False):
             owner.register_buffer(bname, buf)
     else:
         owner.add_module(name, module)
+
+
+def _merge(into: nn.Module, other: nn.Module) -> None:
+    """Two segments may both hold parents of the same path (`blocks` for blocks.0 and blocks.1)."""
+    if into is other:
+        return
+    for name, param in other._parameters.items():
+        if name not in into._parameters and param is not None:
+            into.register_parameter(name, param)
+    for name, buf in other._buffers.items():
+        if name not in into._buffers and buf is not None:
+            into.register_buffer(name, buf, persistent=name not in other._non_persistent_buffers_set)
+    for name, child in other.named_children():
+        if name not in into._modules:
+            into.add_module(name, child)
+        else:
+            _merge(into._modules[name], child)  # type: ignore[arg-type]
 
 
 def merged(stages: Sequence[Stage]) -> nn.Module:
@@ -72,65 +131,27 @@ def merged(stages: Sequence[Stage]) -> nn.Module:
     return holder
 
 
-def layers_of(model: nn.Module, example: tuple[Any, ...] | None = None) -> list[Layer]:
-    """The model as a chain of named layers: a Sequential's children, or a traced split of any other model."""
+def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = False) -> list[Layer]:
+    """The model as a chain of named layers: a Sequential's children, or the segments of a traced model
+    (cut before each layer; `example` is one input batch to trace with). `defer_batchnorm` makes BatchNorm
+    layers update running statistics once per step (see `batchnorm`)."""
     if isinstance(model, nn.Sequential):
+        if defer_batchnorm:
+            defer_modules(model)
         layers = list(model.named_children())
         if not layers:
             raise ParatrainError("the nn.Sequential has no layers to split into pipeline stages")
         return layers
     if example is None:
-        raise ParatrainError(
-            f"{type(model).__name__} is not an nn.Sequential, so it is traced to be split, which needs an "
-            "example input; it is taken from the first batch, so call run.forward_backward before use"
-        )
-    return _trace(model, example)
+        raise example_needed(type(model).__name__, "not an nn.Sequential, so it is traced to be split")
+    from .tracing import trace
 
-
-def _trace(model: nn.Module, example: tuple[Any, ...]) -> list[Layer]:
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
-    names = [name for name, _ in model.named_children()]
-    if len(names) < 2:
-        raise ParatrainError(
-            f"{type(model).__name__} has {len(names)} top-level child module(s); a split needs at least 2. "
-            "Express the model as an nn.Sequential of its layers"
-        )
-    spec = {name: SplitPoint.BEGINNING for name in names[1:]}
     where = next((p.device for p in model.parameters()), None)
     if where is not None:  # trace where the weights are (stages are placed on their devices afterwards)
-        example = tuple(x.to(where) if isinstance(x, torch.Tensor) else x for x in example)
-    try:
-        pipe = pipeline(model, mb_args=example, split_spec=spec)
-    except Exception as exc:
-        raise ParatrainError(
-            f"torch.distributed.pipelining could not trace {type(model).__name__} ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}); express the model as an nn.Sequential"
-        ) from exc
-    _check_chain(pipe, type(model).__name__)
-    layers = []
-    for i in range(pipe.num_stages):
-        module = pipe.get_stage_module(i)
-        for part in module.modules():  # run the generated code, not torch.fx's node-by-node interpreter
-            if getattr(part, "_run_with_interpreter", False):
-                object.__setattr__(part, "_run_with_interpreter", False)
-        children = [n for n, _ in module.named_children()]
-        layers.append((",".join(children) or f"part{i}", module))
-    return layers
+        from .._tree import map_tensors
 
-
-def _check_chain(pipe: Any, model_name: str) -> None:
-    """Stages must pass one value each to the next (no skip connections across top-level children)."""
-    prev = None
-    for node in pipe.split_gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        if prev is not None and (len(node.args) != 1 or node.args[0] is not prev or node.kwargs):
-            raise ParatrainError(
-                f"{model_name}'s top-level children do not form a chain (a value skips over a child at "
-                f"{node.target}); wrap the skipping blocks into one child module, or use an nn.Sequential"
-            )
-        prev = node
+        example = map_tensors(lambda t: t.to(where), example)
+    return traced_segments(model, trace(model, example), defer_batchnorm)
 
 
 def equal_balance(layers: int, stages: int) -> list[int]:

@@ -7,12 +7,14 @@ stages, in torch's layouts (loop for interleaved schedules, V for the ZBV zero-b
     rank 0   F0 F1 .  .  B0 F2 B1 F3 B2 .  B3
     rank 1   .  F0 B0 F1 B1 F2 B2 F3 B3
 
-The model is split at the first step, when a batch exists to measure layers with; every rank profiles
-and the timings are averaged over all ranks, so all ranks cut the model identically. Parameters of the
-stages a rank does not hold are emptied, so the memory a pipeline saves is really saved.
+The model is split when the module is constructed (inside `run.prepare`); when balancing by time every
+rank profiles the example batch and the timings are averaged over all ranks, so all ranks cut the
+model identically. Parameters of the stages a rank does not hold are emptied, so the memory a
+pipeline saves is really saved.
 
 The loss of a step is the mean of the micro-batch losses (each is divided by M before its backward),
 which equals the full-batch mean loss because micro-batches have equal size; uneven splits are refused.
+Averaging over data-parallel replicas is not this module's business: `ddp+pp` does it after a step.
 """
 
 from __future__ import annotations
@@ -24,18 +26,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .._tree import map_tensors
 from ..collectives import max_over_world, mean_over_world
-from ..errors import ParatrainError, unknown_name
+from ..errors import ParatrainError
+from . import batchnorm
 from .balance import choose_balance, describe
-from .memory import ActivationMeter, StageMemory, format_report, in_flight, param_bytes
-from .microbatch import Search, batch_size, check_even, divisors, search, split
+from .batchnorm import check_microbatches
+from .memory import StageMemory, format_report, in_flight, param_bytes, watch_stages
+from .microbatch import batch_size, check_even, divisors, split
+from .options import check_layout, example_needed
 from .partition import Stage, layers_of, merged, split_into_stages
 from .plan import Plan
-from .trial import no_trace, step_time
+from .tied import TiedGradients
+from .trial import step_time
+from .tuning import tune_microbatches
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 def _schedule_class(name: str, per_worker: int) -> type:
@@ -45,30 +53,6 @@ def _schedule_class(name: str, per_worker: int) -> type:
         return s.ScheduleZBVZeroBubble if per_worker == 2 else s.ScheduleInterleavedZeroBubble
     return {"gpipe": s.ScheduleGPipe, "1f1b": s.Schedule1F1B,
             "interleaved-1f1b": s.ScheduleInterleaved1F1B}[name]
-
-
-def check_layout(schedule: str, pp: int, per_worker: int, microbatches: int | str) -> None:
-    """Reject schedule/stage/micro-batch combinations torch would refuse, before any process waits."""
-    if schedule not in SCHEDULES:
-        raise unknown_name("schedule", schedule, SCHEDULES)
-    if per_worker < 1:
-        raise ParatrainError(f"stages_per_worker must be >= 1, got {per_worker}")
-    if schedule in ("gpipe", "1f1b") and per_worker != 1:
-        raise ParatrainError(
-            f"schedule {schedule!r} runs one stage per worker but stages_per_worker={per_worker}; use "
-            "schedule='interleaved-1f1b' or 'zero-bubble' for several stages per worker, or stages_per_worker=1"
-        )
-    if microbatches == "auto":
-        return
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ParatrainError(f"microbatches must be a positive int or 'auto', got {microbatches!r}")
-    stages = pp * per_worker
-    if schedule == "1f1b" and microbatches < stages:
-        raise ParatrainError(
-            f"schedule '1f1b' needs at least as many micro-batches as stages: microbatches={microbatches} < "
-            f"{stages} stages (pp {pp} x stages_per_worker {per_worker}); use microbatches>={stages} "
-            f"(e.g. {2 * stages}), microbatches='auto' or schedule='gpipe'"
-        )
 
 
 def stage_indices(schedule: str, pp_rank: int, pp: int, per_worker: int) -> list[int]:
@@ -87,99 +71,125 @@ def _signature(value: Any) -> Any:
 
 
 class PipelineModule(nn.Module):
-    """This worker's stages; `module(inputs, targets, loss_fn)` runs one scheduled step and returns the
-    mean loss over the whole global batch (on every rank)."""
+    """This worker's stages; `module(inputs, targets, loss_fn)` runs one scheduled step and returns this
+    rank's summed micro-batch losses (last stage) or None (other stages)."""
 
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
-                 device: torch.device, microbatches: int | str, balance: Sequence[int] | str,
-                 group: Any = None, dp: int = 1, dp_group: Any = None, grad_accum: int = 1,
-                 strategy: str = "pp") -> None:
+                 device: torch.device, microbatches: int | str, balance: Sequence[int] | str, example: Any,
+                 group: Any = None, strategy: str = "pp", batchnorm: str = "exact") -> None:
         super().__init__()
         check_layout(schedule, pp, per_worker, microbatches)
-        self.full = model
         self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
         self.num_stages = pp * per_worker
         self.ids = stage_indices(schedule, pp_rank, pp, per_worker)
-        self.device, self.group, self.dp, self.grad_accum = device, group, dp, grad_accum
-        self.dp_group = dp_group
-        self.sync_grads = True
-        """False inside an accumulation window: replicas average gradients only when the optimizer steps."""
+        self.device, self.group = device, group
         self.microbatches: int | str = microbatches
-        self.requested_balance = balance
-        self.local: list[Stage] = []
         self.plan = Plan(strategy=strategy, stages=self.num_stages, microbatches=microbatches,
                          schedule=schedule, verbose=dist.get_rank() == 0)
         self._schedules: dict[Any, Any] = {}
-        self._loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-        self._measured = False
-        self._meter: ActivationMeter | None = None
-        self._loss_saved = 0
+        self._loss_fn: LossFn | None = None
         self._loss_scale = 1
+        self._loss_saved = 0
+        self._meter: Any = None
+        self.sync = True
+        """False inside an accumulation window (pp): tied gradients are summed only when it ends."""
+        self._defer_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
+        self.local = self._split(model, balance, example)
+        self._registered = nn.ModuleList(self.local)
 
     # -- splitting --------------------------------------------------------------------------------
-    @property
-    def built(self) -> bool:
-        return bool(self.local)
-
-    def build(self, inputs: Any) -> None:
-        sample_count = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
-        sample = (split(inputs, min(sample_count, batch_size(inputs)))[0],)
-        layers = layers_of(self.full, sample)
-        balance, costs = choose_balance(self.requested_balance, layers, self.num_stages, sample=sample,
+    def _split(self, model: nn.Module, requested: Sequence[int] | str, example: Any) -> list[Stage]:
+        measured = isinstance(requested, str) and requested in ("time", "memory")
+        if example is None and (measured or not isinstance(model, nn.Sequential)):
+            why = (f"balance={requested!r} measures the layers" if measured
+                   else f"{type(model).__name__} is not an nn.Sequential and is traced to be split")
+            raise example_needed(f"strategy {self.plan.strategy!r}", why)
+        sample = None
+        if example is not None:
+            example = map_tensors(lambda t: t.to(self.device), example)
+            count = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
+            sample = split(example, min(count, batch_size(example)))[0]
+        layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm)
+        balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample,
                                         agree=lambda v: mean_over_world(v, self.device))
         stages = split_into_stages(layers, balance)
-        self.local = [stages[i].to(self.device) for i in self.ids]
-        mine = {id(p) for s in self.local for p in s.parameters()}
-        for p in self.full.parameters():
+        owner = {i: r for r in range(self.pp) for i in stage_indices(self.schedule_name, r, self.pp, self.per_worker)}
+        self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
+        local = [stages[i].to(self.device) for i in self.ids]
+        for stage in local:
+            if stage.index == self.num_stages - 1:
+                stage.outputs_spec = True  # torch sends and merges tensors only; the structure is put back
+        mine = {id(p) for s in local for p in s.parameters()}
+        for p in model.parameters():
             if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
-        self._registered = nn.ModuleList(self.local)
         self.plan.balance = balance
         self.plan.layer_costs = costs
-        self.plan.note(describe(balance, costs, self.requested_balance))
-        del self.full  # only this worker's stages remain reachable through the wrapper
+        self.plan.note(describe(balance, costs, requested))
+        return local
+
+    def reduce_tied_gradients(self) -> None:
+        """At the end of an accumulation window: tied parameters' gradients summed over their holders."""
+        if self.tied:
+            self.tied.reduce(self.device)
 
     def holds(self) -> nn.Module:
-        """This worker's layers under their original names (what `unwrap` returns). Before the first step
-        splits the model that is the whole model: a checkpoint loaded then restores every layer, and the
-        split keeps this worker's share."""
-        return merged(self.local) if self.built else self.full
+        """This worker's layers under their original names (what `unwrap` returns)."""
+        return merged(self.local)
 
     # -- schedules --------------------------------------------------------------------------------
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
         meter, before = self._meter, self._meter.current if self._meter else 0
-        loss = self._loss_fn(output, target)
+        loss = self._loss_fn(self._last().rebuild(output), target)
         if meter is not None:  # what the loss keeps for backward belongs to the last stage's micro-batch
             self._loss_saved = max(self._loss_saved, meter.current - before)
         return loss / self._loss_scale
 
-    def _schedule(self, microbatches: int, inputs: Any) -> Any:
-        key = (microbatches, _signature(inputs))
+    def _schedule(self, microbatches: int, inputs: Any, training: bool = True, loss: bool = True) -> Any:
+        key = (microbatches, _signature(inputs), training, loss)
         if key not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
             stages = [PipelineStage(stage, i, self.num_stages, self.device, group=self.group)
                       for stage, i in zip(self.local, self.ids)]
-            cls = _schedule_class(self.schedule_name, self.per_worker)
+            # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
+            name = self.schedule_name if training or self.per_worker > 1 else "gpipe"
+            cls = _schedule_class(name, self.per_worker)
             try:
                 # The loss is scaled instead of the gradients (scale_grads=False): torch would divide all of
                 # .grad, including what earlier micro-steps of an accumulation window left there.
-                first = stages[0] if self.schedule_name in ("gpipe", "1f1b") else stages
-                sched = cls(first, microbatches, loss_fn=self._loss, scale_grads=False)
+                first = stages[0] if name in ("gpipe", "1f1b") else stages
+                sched = cls(first, microbatches, loss_fn=self._loss if loss else None, scale_grads=False)
             except ValueError as exc:
                 raise ParatrainError(
                     f"schedule {self.schedule_name!r} with {self.num_stages} stages on {self.pp} workers "
                     f"cannot run {microbatches} micro-batches: {exc}. Choose another microbatches "
                     "(a multiple of the workers is always accepted) or microbatches='auto'"
                 ) from None
-            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != microbatches}
+            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != key[0] or k[2:] != key[2:]}
             self._schedules[key] = (sched, stages)
         return self._schedules[key]
 
-    def _run(self, inputs: Any, targets: Any, microbatches: int) -> torch.Tensor | None:
+    def _flat_inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        """The first stage receives tensors only: the inputs' tensors, rebuilt into their structure there."""
+        leaves, spec = pytree.tree_flatten(inputs)
+        if any(not isinstance(x, torch.Tensor) or not x.dim() for x in leaves):
+            raise ParatrainError(
+                f"strategy {self.plan.strategy!r}: pipeline inputs must be tensors with a batch dimension (or "
+                f"dicts, tuples and lists of them); got {[type(x).__name__ for x in leaves]}. Pass other values "
+                "as constants inside the model"
+            )
+        for stage in self.local:
+            if stage.index == 0:
+                stage.inputs_spec = spec
+        return tuple(leaves)
+
+    def _run(self, inputs: Any, targets: Any, microbatches: int, loss_scale: int) -> torch.Tensor | None:
         sched, stages = self._schedule(microbatches, inputs)
+        for stage in self.local:
+            stage.row_cursor = 0  # each stage runs its micro-batches' forwards in order
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
         kwargs: dict[str, Any] = {}
@@ -188,55 +198,68 @@ class PipelineModule(nn.Module):
             kwargs.update(target=targets, losses=losses)
         if _takes_return_outputs(sched):
             kwargs["return_outputs"] = False
-        self._loss_scale = microbatches * self.grad_accum  # mean over micro-batches and micro-steps
-        sched.step(*((inputs,) if first else ()), **kwargs)
+        self._loss_scale = microbatches * loss_scale  # mean over micro-batches and micro-steps
+        sched.step(*(self._flat_inputs(inputs) if first else ()), **kwargs)
         if not last:
             return None
-        return torch.stack([loss.detach().float() for loss in losses]).sum() * self.grad_accum
+        return torch.stack([loss.detach().float() for loss in losses]).sum() * loss_scale
 
     # -- the step ---------------------------------------------------------------------------------
-    def forward(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def forward(self, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None,
+                loss_scale: int = 1) -> Any:
+        """One scheduled training step, returning the last stage's summed micro-batch losses (None on other
+        stages), with `loss_scale` dividing every micro-batch loss (the accumulation window). Without a
+        loss function or under no_grad, a forward-only pass: the outputs, or the mean loss given `loss_fn`,
+        on the last stage (None on the others); `model(x)` is that pass."""
+        if loss_fn is None or not torch.is_grad_enabled():
+            return self._evaluate(inputs, targets, loss_fn)
         self._loss_fn = loss_fn
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
         if isinstance(self.microbatches, int):
             check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
-        if not self.built:
-            self.build(inputs)
         if self.microbatches == "auto":
-            self._tune(inputs, targets, batch)
+            self.microbatches = tune_microbatches(
+                self.plan, lambda m: self.measure(inputs, targets, m), self.candidates(batch), self.num_stages,
+                self.local)
+            self._schedules = {k: v for k, v in self._schedules.items() if k[0] == self.microbatches}
         assert isinstance(self.microbatches, int)
-        if self._measured:
-            local = self._run(inputs, targets, self.microbatches)
-        else:
-            local = self._measure_memory(inputs, targets)
-        if self.dp > 1 and self.sync_grads:
-            self._average_grads()
-        value = local if local is not None else torch.zeros((), device=self.device)
-        total = value.detach().float().clone()
-        dist.all_reduce(total)  # only last-stage ranks contribute; one replica's loss each
-        return total / self.dp
+        local = (self._measure_memory(inputs, targets, loss_scale) if self.plan.memory is None
+                 else self._run(inputs, targets, self.microbatches, loss_scale))
+        batchnorm.commit()  # running statistics move once per step, from all micro-batches
+        return local
 
-    def _average_grads(self) -> None:
-        """Mean gradients over the replicas of this stage: one all-reduce per dtype, after the schedule.
-
-        DDP itself cannot wrap a stage here: torch's pipeline stages drive DDP's reducer by hand, which
-        fails its bucket rebuild after the first step once there is more than one micro-batch, and a
-        zero-bubble weight backward bypasses DDP's hooks altogether.
-        """
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    def _evaluate(self, inputs: Any, targets: Any, loss_fn: LossFn | None) -> Any:
+        inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
+        batch = batch_size(inputs)
+        wanted = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
+        fits = [m for m in divisors(batch) if m <= wanted and (self.per_worker == 1 or m % self.pp == 0)]
+        if not fits:
+            raise ParatrainError(
+                f"strategy {self.plan.strategy!r}: an evaluation batch of {batch} rows cannot be cut into whole "
+                f"rounds of {self.pp} micro-batches for {self.per_worker} stages per worker; evaluate batches "
+                f"whose size is a multiple of {self.pp}"
+            )
+        m = max(fits)
+        sched, stages = self._schedule(m, inputs, training=False, loss=loss_fn is not None)
         for stage in self.local:
-            for p in stage.parameters():
-                if p.grad is not None:
-                    by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.dp
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            stage.row_cursor = None
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        last = any(s.is_last for s in stages)
+        if last and loss_fn is not None:
+            kwargs.update(target=targets, losses=losses)
+        self._loss_fn, self._loss_scale = loss_fn, m
+        first = any(s.is_first for s in stages)
+        out = sched.eval(*(self._flat_inputs(inputs) if first else ()), **kwargs)
+        if not last:
+            return None
+        if loss_fn is not None:
+            return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return self._last().rebuild(out)
+
+    def _last(self) -> Stage:
+        return next(s for s in self.local if s.index == self.num_stages - 1)
 
     def candidates(self, batch: int) -> list[int]:
         """Micro-batch counts this schedule accepts for `batch` (equal micro-batches only)."""
@@ -250,52 +273,23 @@ class PipelineModule(nn.Module):
         return ok
 
     def measure(self, inputs: Any, targets: Any, microbatches: int, repeats: int = 3) -> float:
-        """Seconds per step with `microbatches`, the slowest rank's median (collective; call inside
+        """Seconds per step with `microbatches`, the slowest rank's (collective; call inside
         `trial.no_trace` to keep the gradients a trial step makes out of training)."""
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
-        seconds = step_time(lambda: self._run(inputs, targets, microbatches), repeats=repeats, warmup=1,
-                              devices=[self.device])
+        seconds = step_time(lambda: self._run(inputs, targets, microbatches, 1), repeats=repeats, warmup=1,
+                            devices=[self.device])
         return max_over_world(seconds, self.device)
 
-    def _tune(self, inputs: Any, targets: Any, batch: int) -> Search:
-        candidates = self.candidates(batch)
-        with no_trace(self.local):
-            found = search(lambda m: self.measure(inputs, targets, m), candidates, self.num_stages)
-        self.microbatches = found.best
-        self.plan.microbatches = found.best
-        self.plan.search = found
-        self._schedules = {k: v for k, v in self._schedules.items() if k[0] == found.best}
-        self.plan.note(f"microbatches auto -> {found.best} (measured {len(found.curve)} of "
-                       f"{len(candidates)} counts in {found.seconds:.2f}s: "
-                       + ", ".join(f"{m}: {t * 1e3:.1f}ms" for m, t in found.curve.items()) + ")")
-        return found
-
-    def _measure_memory(self, inputs: Any, targets: Any) -> torch.Tensor | None:
+    def _measure_memory(self, inputs: Any, targets: Any, loss_scale: int) -> torch.Tensor | None:
         """The first real step, watched: per-stage activations of one micro-batch and the step's peak."""
-        meter = ActivationMeter(exclude=self.local)
-        starts: dict[int, int] = {}
-        first: dict[int, int] = {}
-
-        def pre(module: nn.Module, args: Any) -> None:
-            starts[module.index] = meter.current  # type: ignore[index]
-
-        def post(module: nn.Module, args: Any, out: Any) -> None:
-            index: int = module.index  # type: ignore[assignment]
-            first[index] = max(first.get(index, 0), meter.current - starts[index])
-
-        hooks = [h for stage in self.local
-                 for h in (stage.register_forward_pre_hook(pre), stage.register_forward_hook(post))]
-        self._meter = meter
-        try:
-            with meter.measure():
-                local = self._run(inputs, targets, int(self.microbatches))
-        finally:
-            self._meter = None
-            for hook in hooks:
-                hook.remove()
+        with watch_stages(self.local, [s.index for s in self.local]) as (meter, first):
+            self._meter = meter
+            try:
+                local = self._run(inputs, targets, int(self.microbatches), loss_scale)
+            finally:
+                self._meter = None
         if self.num_stages - 1 in first:
             first[self.num_stages - 1] += self._loss_saved
-        self._measured = True
         sched, _ = self._schedule(int(self.microbatches), inputs)
         most, bound = in_flight(getattr(sched, "pipeline_order", None), self.pp_rank, first)
         row = StageMemory(stages=list(self.ids), params_bytes=sum(param_bytes(s) for s in self.local),
@@ -319,3 +313,25 @@ def _takes_return_outputs(schedule: Any) -> bool:
     if name not in _RETURN_OUTPUTS:
         _RETURN_OUTPUTS[name] = "return_outputs" in inspect.signature(schedule.step).parameters
     return _RETURN_OUTPUTS[name]
+
+
+def global_loss(local: torch.Tensor | None, replicas: int, device: torch.device) -> torch.Tensor:
+    """The global-batch mean loss on every rank: only last-stage ranks hold one (one per replica)."""
+    from ..collectives import all_reduce
+
+    value = local if local is not None else torch.zeros((), device=device)
+    return all_reduce(value.detach().float(), op="sum") / replicas
+
+
+def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, device: torch.device) -> Any:
+    """A forward-only pass of a pipeline (under no_grad): the outputs on the last stage (None elsewhere), or
+    the mean loss over every replica's rows, weighted by rows, on every rank."""
+    from ..collectives import all_reduce
+
+    local = model(inputs, targets, loss_fn)
+    if loss_fn is None:
+        return local
+    rows = float(batch_size(inputs)) if local is not None else 0.0
+    value = float(local) * rows if local is not None else 0.0
+    total = all_reduce(torch.tensor([value, rows], dtype=torch.float64), op="sum", device=device)
+    return (total[0] / total[1]).float()

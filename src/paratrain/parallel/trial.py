@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from . import batchnorm, randomness
+
 
 @contextmanager
 def no_trace(modules: Iterable[nn.Module]) -> Iterator[None]:
@@ -29,10 +31,13 @@ def no_trace(modules: Iterable[nn.Module]) -> Iterator[None]:
     devices = sorted({p.device.index for p in params.values() if p.device.type == "cuda"})
     for p in params.values():
         p.grad = None  # trial gradients go to fresh tensors, never into the saved ones
+    calls = randomness.snapshot()
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
+            randomness.restore(calls)
+            batchnorm.discard()
             with torch.no_grad():
                 for key, p in params.items():
                     p.grad = grads[key]

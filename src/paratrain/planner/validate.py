@@ -15,7 +15,6 @@ counts from). `measure_layout` is the one seam to the runner: it can be pointed 
 
 from __future__ import annotations
 
-import inspect
 import json
 import statistics
 import time
@@ -26,8 +25,8 @@ from typing import Any
 
 import torch
 
+from ..bench.timing import time_steps
 from ..errors import ParatrainError
-from ..memstats import peak_bytes, reset_peak
 from .cluster import Cluster
 from .costs import Profile
 from .layout import Layout
@@ -77,7 +76,6 @@ def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str, Any]:
     """One layout in every worker: the user's loop through the public API, timed."""
-    import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
     import paratrain
@@ -92,11 +90,7 @@ def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str,
     loader = run.prepare_loader(DataLoader(TensorDataset(*data), batch_size=run.per_worker_batch(settings.batch)))
     inputs, targets = (t.clone().to(run.device) for t in next(iter(loader)))
     del data, loader  # only this worker's batch stays, as in a real loop
-    prepare = run.prepare
-    if "example" in inspect.signature(prepare).parameters:  # pipelines built in prepare, where supported
-        model, optimizer = prepare(model, optimizer, example=inputs)  # type: ignore[call-arg]
-    else:
-        model, optimizer = prepare(model, optimizer)
+    model, optimizer = run.prepare(model, optimizer, example=inputs)
     loss_fn = workload.loss()
 
     def step() -> None:
@@ -105,31 +99,14 @@ def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str,
         optimizer.step()
         optimizer.zero_grad()
 
-    def sync() -> None:
-        if run.device.type == "cuda":
-            torch.cuda.synchronize(run.device)
-
     for _ in range(settings.warmup):
         step()
     times: list[float] = []
     peak = 0.0
-    multi = dist.is_initialized() and dist.get_world_size() > 1
-    for _ in range(settings.repeat):
-        if multi:
-            dist.barrier()
-        reset_peak(run.device)
-        local = []
-        for _ in range(settings.steps):
-            sync()
-            start = time.perf_counter()
-            step()
-            sync()
-            local.append(time.perf_counter() - start)
-        stats = torch.tensor([*local, peak_bytes(run.device)], dtype=torch.float64)
-        if multi:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # a step ends when its slowest worker does
-        times += stats[:-1].tolist()
-        peak = max(peak, float(stats[-1]))
+    for _ in range(settings.repeat):  # the bench's harness: each step's time is the slowest worker's
+        block, peak_mb = time_steps(step, settings.steps, [run.device], run.device)
+        times += block
+        peak = max(peak, peak_mb * 2**20)
     run.close()
     return {"step_times_s": times, "peak_bytes": peak}
 

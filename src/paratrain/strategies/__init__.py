@@ -1,42 +1,30 @@
-"""Strategy registry: names map to small objects implementing `base.Strategy`; dispatch happens here once."""
+"""Every strategy in one table: name -> module holding its `STRATEGY`, imported when first asked for.
+
+Dispatch on the strategy happens here once; nothing else branches on strategy names.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 from ..errors import unknown_name
 from .base import Context, Strategy
-from .ddp import STRATEGY as _ddp
-from .dp import STRATEGY as _dp
-from .single import STRATEGY as _single
 
-REGISTRY: dict[str, Strategy] = {s.name: s for s in (_single, _dp, _ddp)}
-
-
-def register(strategy: Strategy) -> None:
-    REGISTRY[strategy.name] = strategy
+TABLE: dict[str, str] = {
+    "single": "single", "dp": "dp", "ddp": "ddp", "fsdp": "fsdp",
+    "mp": "mp", "pp": "pp", "ddp+pp": "ddp_pp", "ddp+mp": "ddp_mp",
+}
 
 
 def get(name: str) -> Strategy:
-    _load_optional()
-    if name not in REGISTRY:
-        raise unknown_name("strategy", name, REGISTRY)
-    return REGISTRY[name]
+    if name not in TABLE:
+        raise unknown_name("strategy", name, TABLE)
+    strategy: Strategy = importlib.import_module(f"{__name__}.{TABLE[name]}").STRATEGY
+    return strategy
 
 
 def names() -> list[str]:
-    _load_optional()
-    return sorted(REGISTRY)
+    return list(TABLE)
 
 
-def _load_optional() -> None:
-    """Strategies whose modules pull in heavier torch subsystems register on first use."""
-    import importlib
-
-    for module in ("fsdp", "mp", "pp", "hybrid"):
-        try:
-            importlib.import_module(f"{__name__}.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{module}":
-                raise
-
-
-__all__ = ["Context", "Strategy", "REGISTRY", "get", "names", "register"]
+__all__ = ["Context", "Strategy", "TABLE", "get", "names"]

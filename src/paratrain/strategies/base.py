@@ -1,9 +1,8 @@
-"""The one interface every strategy implements: a handful of functions, no inheritance chains."""
+"""The one interface every strategy implements: a handful of methods, no inheritance chains."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,6 +13,7 @@ from ..config import Config
 from ..runtime import Placement
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+Backward = Callable[[torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -23,32 +23,52 @@ class Context:
     config: Config
     placement: Placement
     device: torch.device
+    gpus: int = 0
+    """CUDA GPUs visible to this process (read once, so checks are pure functions of the context)."""
 
 
 class Strategy(Protocol):
+    """Every member is required. The strategy files therefore share this shape, and data-parallel ones
+    share one-line bodies (shard by rank, call `parallel.data_parallel`); each file stays readable on its
+    own, so that repetition is deliberate and not factored into base classes."""
+
     name: str
     needs_process_group: bool
     """False only for single-process strategies (single, dp, mp) running with world size 1."""
+    sharded_state: bool
+    """Ranks hold different parts of the model, so each rank writes its own checkpoint files."""
+    microbatched: bool
+    """Each (per-replica) batch is split into micro-batches that flow through model stages."""
+    scheduled: bool
+    """A pipeline schedule (`schedule=`) orders the micro-batches' work across processes."""
 
     def check(self, ctx: Context) -> None:
-        """Reject a job this strategy cannot run, naming the fix."""
+        """Reject a job this strategy cannot run (here: this world size, these devices), naming the fix."""
 
-    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
-        """Place and wrap the model; the result is what the user trains."""
+    def bound(self, ctx: Context) -> float:
+        """The best speedup over one worker this layout allows (workers; K*M/(M+K-1) for pipelines)."""
+
+    def devices(self, ctx: Context) -> list[torch.device]:
+        """The devices this process computes on (one, or a pipeline's stage devices, or every GPU for dp)."""
+
+    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
+        """Place, split or shard the model into its final form; the result is what the user trains.
+        `example` (one input batch, or None) is what a split needs to trace and measure."""
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         """(replica index, replica count): which share of each global batch this rank loads."""
 
-    def sync_context(self, model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
-        """Context for one micro-step; sync=False skips gradient communication (accumulation)."""
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        """Whether the next micro-step's backward synchronises gradients (False inside accumulation)."""
 
-    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn,
-                         backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
+                         ctx: Context) -> torch.Tensor:
         """One micro-step's forward and backward (calling `backward(loss)` where the loss exists);
         returns the mean loss over the whole global batch, on every rank."""
 
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        """A forward-only pass (the caller sets eval mode and no_grad): the outputs, or given `loss_fn` the
+        mean loss over the rows of every rank, on every rank. Pipelines return outputs on the last stage."""
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the wrapper (for state dicts)."""
-
-    # Optional attribute: `sharded_state = True` when ranks hold different parts of the model, so each
-    # rank writes its own checkpoint file.

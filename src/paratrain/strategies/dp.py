@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from ..runtime import cuda_count
-from ._common import no_context, plain_forward_backward
-from .base import Context
+from ..parallel.data_parallel import evaluate, forward_backward
+from .base import Backward, Context, LossFn
 
 
 class DataParallel:
     name = "dp"
     needs_process_group = False
+    sharded_state = False
+    microbatched = False
+    scheduled = False
 
     def check(self, ctx: Context) -> None:
-        if cuda_count() == 0 or ctx.device.type != "cuda":
+        if ctx.gpus == 0 or ctx.device.type != "cuda":
             raise ParatrainError(
                 "strategy 'dp' (torch.nn.DataParallel) needs CUDA GPUs and none are visible; on CPU use "
                 "strategy='ddp' and start one worker per core: paratrain run --nproc N script.py"
@@ -26,17 +31,29 @@ class DataParallel:
                 f"{ctx.placement.world_size} processes were launched; launch one process, or use strategy='ddp'"
             )
 
-    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
+    def bound(self, ctx: Context) -> float:
+        return float(ctx.gpus)
+
+    def devices(self, ctx: Context) -> list[torch.device]:
+        return [torch.device("cuda", i) for i in range(ctx.gpus)]
+
+    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         return nn.DataParallel(model.to(ctx.device))
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1
 
-    sync_context = staticmethod(no_context)
-    forward_backward = staticmethod(plain_forward_backward)
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        pass  # one process: gradients meet on the first GPU inside backward
 
-    @staticmethod
-    def unwrap(model: nn.Module) -> nn.Module:
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
+                         ctx: Context) -> torch.Tensor:
+        return forward_backward(model, inputs, targets, loss_fn, backward)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
 
 

@@ -1,37 +1,33 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over data-parallel ranks.
 
-Each child module that owns parameters becomes one FSDP unit (its parameters are all-gathered just
-before it runs and freed after), then the root is sharded too. Gradients are reduce-scattered and
-averaged, so training matches DDP and the single-process run at the same global batch.
+Units follow the model's blocks (see `parallel.fsdp`): each block of a `ModuleList`/`Sequential` is
+gathered just before it runs and freed after; embeddings, final norm, head and tied weights stay in
+the root unit. Gradients are reduce-scattered and averaged, so training matches DDP and the
+single-process run at the same global batch. With precision="bf16" the parameters are gathered and
+computed in bfloat16 (FSDP2's MixedPrecisionPolicy) under autocast, and reduced and updated in
+float32 (numerics in docs/usage.md).
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from . import register
-from ._common import identity_unwrap, plain_forward_backward, whole_batch
-from .base import Context
-
-
-def apply_fsdp(model: nn.Module, mesh: Any = None) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    units = [m for m in model.children() if any(True for _ in m.parameters())]
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+from ..parallel.batchnorm import for_replicas
+from ..parallel.data_parallel import evaluate, forward_backward
+from ..parallel.fsdp import apply_fsdp, set_fsdp_sync
+from .base import Backward, Context, LossFn
 
 
 class FSDP:
     name = "fsdp"
     needs_process_group = True
     sharded_state = True
+    microbatched = False
+    scheduled = False
 
     def check(self, ctx: Context) -> None:
         try:
@@ -39,31 +35,32 @@ class FSDP:
         except ImportError:
             raise ParatrainError("strategy 'fsdp' needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from None
 
-    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
-        return apply_fsdp(model.to(ctx.device))
+    def bound(self, ctx: Context) -> float:
+        return float(ctx.placement.world_size)
 
-    data_shard = staticmethod(whole_batch)
+    def devices(self, ctx: Context) -> list[torch.device]:
+        return [ctx.device]
 
-    @staticmethod
-    def sync_context(model: nn.Module, sync: bool) -> AbstractContextManager[Any]:
-        return _gradient_sync(model, sync)
+    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
+        model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
+                             "strategy 'fsdp'")
+        return apply_fsdp(model.to(ctx.device), precision=ctx.config.precision)
 
-    forward_backward = staticmethod(plain_forward_backward)
-    unwrap = staticmethod(identity_unwrap)
+    def data_shard(self, ctx: Context) -> tuple[int, int]:
+        return ctx.placement.rank, ctx.placement.world_size
 
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        set_fsdp_sync(model, sync)
 
-@contextmanager
-def _gradient_sync(model: nn.Module, sync: bool) -> Any:
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if sync or setter is None:
-        yield
-        return
-    setter(False)
-    try:
-        yield
-    finally:
-        setter(True)
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
+                         ctx: Context) -> torch.Tensor:
+        return forward_backward(model, inputs, targets, loss_fn, backward)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
 
 
 STRATEGY = FSDP()
-register(STRATEGY)

@@ -7,126 +7,69 @@ stage sits on "cpu", so the same script runs (and is tested) anywhere; speed onl
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..collectives import all_reduce
 from ..errors import ParatrainError
-from ..parallel.balance import MODES
-from ..parallel.microbatch import batch_size
-from ..parallel.mp_pipeline import MPPipeline, tune
-from ..runtime import cuda_count
-from . import register
-from ._common import no_context
-from .base import Context, LossFn
-
-
-def check_common(microbatches: Any, balance: Any, stages: int, where: str) -> None:
-    if microbatches != "auto" and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ParatrainError(f"{where}: microbatches must be a positive int or 'auto', got {microbatches!r}")
-    if isinstance(balance, str):
-        if balance not in MODES:
-            raise ParatrainError(f"{where}: balance must be a list of layer counts or one of {MODES}, got {balance!r}")
-    elif len(balance) != stages:
-        raise ParatrainError(
-            f"{where}: balance {list(balance)} has {len(balance)} entries but there are {stages} stages; "
-            f"give one layer count per stage, or balance='time'"
-        )
-
-
-def mp_devices(ctx: Context) -> list[torch.device]:
-    requested = ctx.config.devices
-    if ctx.device.type != "cuda":
-        return [torch.device("cpu")] * (len(requested) if requested else 2)
-    if not requested:
-        return [torch.device("cuda", i) for i in range(cuda_count())]
-    return [torch.device(d) for d in requested]
-
-
-def _on(value: Any, like: Any) -> Any:
-    device = like.device if isinstance(like, torch.Tensor) else None
-    if device is None and isinstance(like, list | tuple) and like and isinstance(like[0], torch.Tensor):
-        device = like[0].device
-    if isinstance(value, torch.Tensor) and device is not None:
-        return value.to(device, non_blocking=True)
-    return value
-
-
-def pipelined_step(model: nn.Module, pipe: MPPipeline, inputs: Any, targets: Any, loss_fn: LossFn,
-                   backward: Callable[[torch.Tensor], None], build: Callable[[Any], None],
-                   quiet: Callable[[], AbstractContextManager[Any]] = nullcontext,
-                   reduce_max: Callable[[float], float] | None = None) -> torch.Tensor:
-    """One step of a single-process pipeline (also under DDP): split on first use, resolve
-    microbatches='auto' by trial steps, watch memory on the first real step."""
-    build((inputs,))
-    if pipe.microbatches == "auto":
-        def trial() -> None:
-            with quiet():
-                out = model(inputs)
-                loss_fn(out, _on(targets, out)).backward()
-
-        tune(pipe, trial, batch_size(inputs), reduce_max)
-
-    def real() -> torch.Tensor:
-        out = model(inputs)
-        loss = loss_fn(out, _on(targets, out))
-        backward(loss)
-        return loss
-
-    loss = pipe.measure_memory(real) if pipe.plan.memory is None else real()
-    return all_reduce(loss.detach().float(), op="mean")
+from ..parallel.data_parallel import evaluate
+from ..parallel.microbatch import pipeline_bound
+from ..parallel.mp_pipeline import MPPipeline, train_step
+from ..parallel.options import check_balance_entries
+from ..runtime import mp_devices
+from .base import Backward, Context, LossFn
 
 
 class ModelParallel:
     name = "mp"
     needs_process_group = False
+    sharded_state = False
+    microbatched = True
+    scheduled = False
 
     def check(self, ctx: Context) -> None:
-        cfg = ctx.config
         if ctx.placement.world_size > 1:
             raise ParatrainError(
                 f"strategy 'mp' runs in one process that drives every stage's device, but "
                 f"{ctx.placement.world_size} processes were launched; launch one process, or use "
                 "strategy='ddp+mp' (each process its own devices) or 'pp' (one process per stage)"
             )
-        if cfg.devices is not None and len(cfg.devices) < 1:
-            raise ParatrainError("devices must list at least one device, e.g. devices=['cuda:0', 'cuda:1']")
-        devices = mp_devices(ctx)
-        bad = [str(d) for d in devices if d.type == "cuda" and (d.index or 0) >= cuda_count()]
+        devices = self.devices(ctx)
+        bad = [str(d) for d in devices if d.type == "cuda" and (d.index or 0) >= ctx.gpus]
         if bad:
-            raise ParatrainError(f"devices {bad} do not exist: {cuda_count()} GPU(s) visible; use cuda:0..cuda:"
-                                 f"{cuda_count() - 1}")
-        check_common(cfg.microbatches, cfg.balance, len(devices), "strategy 'mp'")
+            raise ParatrainError(f"devices {bad} do not exist: {ctx.gpus} GPU(s) visible; use cuda:0..cuda:"
+                                 f"{ctx.gpus - 1}")
+        check_balance_entries(ctx.config.balance, len(devices), "strategy 'mp'")
 
-    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
-        return MPPipeline(model, mp_devices(ctx), ctx.config.microbatches, ctx.config.balance)
+    def bound(self, ctx: Context) -> float:
+        """Stages on one device take turns, so K counts distinct devices (two stages on one CPU: K = 1)."""
+        return pipeline_bound(len(set(self.devices(ctx))), ctx.config.microbatches)
+
+    def devices(self, ctx: Context) -> list[torch.device]:
+        return mp_devices(ctx.config.devices, ctx.device, ctx.gpus)
+
+    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
+        cfg = ctx.config
+        return MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example, batchnorm=cfg.batchnorm)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1
 
-    sync_context = staticmethod(no_context)
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        pass  # one process holds every gradient
 
-    @staticmethod
-    def forward_backward(model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn,
-                         backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        pipe = model if isinstance(model, MPPipeline) else None
-        if pipe is None:
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
+                         ctx: Context) -> torch.Tensor:
+        if not isinstance(model, MPPipeline):
             raise ParatrainError("strategy 'mp': pass the model returned by run.prepare to forward_backward")
+        return train_step(model, model, inputs, targets, loss_fn, backward).detach().float()
 
-        def build(sample: Any) -> None:
-            if not pipe.built:
-                pipe.build(sample)
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
-        return pipelined_step(model, pipe, inputs, targets, loss_fn, backward, build)
-
-    @staticmethod
-    def unwrap(model: nn.Module) -> nn.Module:
+    def unwrap(self, model: nn.Module) -> nn.Module:
         return model.model if isinstance(model, MPPipeline) else model
 
 
 STRATEGY = ModelParallel()
-register(STRATEGY)

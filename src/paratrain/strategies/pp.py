@@ -1,85 +1,80 @@
 """Strategy "pp": one process per pipeline rank, built on torch.distributed.pipelining.
 
-Every worker is given the whole `nn.Sequential` (or traceable model) and the same batches; `prepare`
-keeps the worker's stage(s), and `run.forward_backward` runs one scheduled step (gpipe, 1f1b,
-interleaved-1f1b, zero-bubble). Ranks hold different layers, so checkpoints are written per rank.
+Every worker is given the whole model and the same batches; `prepare` keeps the worker's stage(s),
+and `run.forward_backward` runs one scheduled step (gpipe, 1f1b, interleaved-1f1b, zero-bubble).
+Ranks hold different layers, so checkpoints are written per rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from ..parallel.pipelining import PipelineModule, check_layout
-from . import register
-from ._common import no_context
-from .base import Context, LossFn
-from .mp import check_common
-
-
-def check_pipeline(ctx: Context, pp: int, where: str) -> None:
-    cfg = ctx.config
-    check_layout(cfg.schedule, pp, cfg.stages_per_worker, cfg.microbatches)
-    check_common(cfg.microbatches, cfg.balance, pp * cfg.stages_per_worker, where)
-    if cfg.precision == "16":
-        raise ParatrainError(
-            f"{where}: precision='16' needs a GradScaler on the loss, which the pipeline schedule computes "
-            "and differentiates itself; use precision='bf16' (no scaler needed) or '32'"
-        )
-
-
-def count_micro_step(backward: Callable[[torch.Tensor], None]) -> None:
-    """The schedule already ran backward. Passing a zero leaf through the run's `backward` lets the run
-    count the micro-step (accumulation windows, when the optimizer steps) as for every other strategy."""
-    backward(torch.zeros((), requires_grad=True))
-
-
-def pipeline_forward_backward(model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn,
-                              backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
-    if not isinstance(model, PipelineModule):
-        raise ParatrainError("pass the model returned by run.prepare to run.forward_backward")
-    loss = model(inputs, targets, loss_fn)
-    count_micro_step(backward)
-    return loss  # type: ignore[no-any-return]
-
-
-def pipeline_unwrap(model: nn.Module) -> nn.Module:
-    return model.holds() if isinstance(model, PipelineModule) else model
+from ..parallel.microbatch import pipeline_bound
+from ..parallel.options import check_pipeline
+from ..parallel.pipelining import PipelineModule, evaluate, global_loss
+from .base import Backward, Context, LossFn
 
 
 class Pipeline:
     name = "pp"
     needs_process_group = True
     sharded_state = True
+    microbatched = True
+    scheduled = True
 
     def check(self, ctx: Context) -> None:
         world, pp = ctx.placement.world_size, ctx.config.pp_size
+        if world < 2:
+            raise ParatrainError(
+                f"strategy 'pp' needs at least 2 workers, one per pipeline stage, but {world} was launched; "
+                "launch 2 or more (paratrain run --nproc 2 ...), or use strategy='mp' to pipeline in one process"
+            )
         if pp is not None and pp != world:
             raise ParatrainError(
                 f"strategy 'pp' makes every worker a pipeline rank: pp_size {pp} != world size {world}; "
                 f"use pp_size={world} (or leave it unset), or strategy='ddp+pp' for dp x pp workers"
             )
-        check_pipeline(ctx, world, "strategy 'pp'")
+        check_pipeline(ctx.config, world, "strategy 'pp'")
 
-    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
+    def bound(self, ctx: Context) -> float:
+        return pipeline_bound(ctx.placement.world_size, ctx.config.microbatches)
+
+    def devices(self, ctx: Context) -> list[torch.device]:
+        return [ctx.device]
+
+    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         cfg = ctx.config
         return PipelineModule(
             model, schedule=cfg.schedule, pp_rank=ctx.placement.rank, pp=ctx.placement.world_size,
             per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
-            balance=cfg.balance, grad_accum=cfg.grad_accum, strategy=self.name,
+            balance=cfg.balance, example=example, strategy=self.name, batchnorm=cfg.batchnorm,
         )
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1  # every stage of the one pipeline sees the same batches
 
-    sync_context = staticmethod(no_context)
-    forward_backward = staticmethod(pipeline_forward_backward)
-    unwrap = staticmethod(pipeline_unwrap)
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        if isinstance(model, PipelineModule):
+            model.sync = sync  # tied parameters' gradients are summed over their stages when the window ends
+
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
+                         ctx: Context) -> torch.Tensor:
+        if not isinstance(model, PipelineModule):
+            raise ParatrainError("strategy 'pp': pass the model returned by run.prepare to forward_backward")
+        local = model(inputs, targets, loss_fn, ctx.config.grad_accum)
+        if model.sync:
+            model.reduce_tied_gradients()
+        return global_loss(local, 1, ctx.device)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.holds() if isinstance(model, PipelineModule) else model
 
 
 STRATEGY = Pipeline()
-register(STRATEGY)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
 from ..errors import ParatrainError
-from ._common import identity_unwrap, no_context, plain_forward_backward
-from .base import Context
+from ..parallel.data_parallel import evaluate, forward_backward
+from .base import Backward, Context, LossFn
 
 
 class Single:
     name = "single"
     needs_process_group = False
+    sharded_state = False
+    microbatched = False
+    scheduled = False
 
     def check(self, ctx: Context) -> None:
         if ctx.placement.world_size > 1:
@@ -20,15 +26,30 @@ class Single:
                 "use strategy='ddp' for several workers, or launch one process"
             )
 
-    def wrap(self, model: nn.Module, ctx: Context) -> nn.Module:
+    def bound(self, ctx: Context) -> float:
+        return 1.0
+
+    def devices(self, ctx: Context) -> list[torch.device]:
+        return [ctx.device]
+
+    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         return model.to(ctx.device)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1
 
-    sync_context = staticmethod(no_context)
-    forward_backward = staticmethod(plain_forward_backward)
-    unwrap = staticmethod(identity_unwrap)
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        pass  # nothing to synchronise
+
+    def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
+                         ctx: Context) -> torch.Tensor:
+        return forward_backward(model, inputs, targets, loss_fn, backward)
+
+    def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        return evaluate(model, inputs, targets, loss_fn, ctx.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
 
 
 STRATEGY = Single()

@@ -1,0 +1,215 @@
+"""What to measure: the requested strategies turned into jobs (one worker launch each), validated first.
+
+The bench holds no rules of its own about strategies: for each requested strategy and worker count it
+builds the job's `Context` and asks the strategy itself whether it applies (`check`), which devices
+it drives, how it shards the batch and what its best speedup is (`bound`). A configuration that
+cannot run here (dp without GPUs, pp on one worker, a batch that does not split) becomes a
+`not-applicable` record with the strategy's own reason, before any process starts.
+
+A job holds a paratrain configuration and its hand-written reference (and, for pipelines, every
+micro-batch count), so one set of worker processes times them in turns, A B A B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import strategies
+from ..config import make_config
+from ..errors import ParatrainError, unknown_name
+from ..runtime import Placement, check_nproc
+from ..strategies.base import Context, Strategy
+
+BENCH_STRATEGIES = ("single", "dp", "ddp", "fsdp", "mp", "pp", "ddp+pp")
+REFERENCE = {"ddp": "torch-ddp", "mp": "torch-pipeline", "pp": "torch-pipelining"}
+"""The hand-written PyTorch each paratrain strategy is compared with, on the same workers."""
+REFERENCE_SCHEDULES = ("gpipe", "1f1b")
+"""Schedules the hand-written torch-pipelining reference is written for."""
+CEILING = "no-comm"
+"""Each worker trains a private copy on its share with no gradient exchange: the fastest any data-parallel
+strategy can be on this machine (it exposes shared cores, memory bandwidth and SMT siblings). Runs beside
+the strategy whose reference is torch-ddp."""
+AUTO_MICROBATCHES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything a worker needs to rebuild the workload and time it; travels to every worker."""
+
+    workload: str
+    image: int | None = None
+    batch: int
+    steps: int
+    warmup: int
+    repeat: int
+    schedule: str = "1f1b"
+    precision: str = "32"
+    channels_last: bool = False
+    gpus: int = 0
+    timeout_s: float = 120.0
+    """Seconds a collective may wait inside a worker before the configuration is reported failed."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One measured configuration."""
+
+    strategy: str
+    workers: int
+    microbatches: int | None = None
+    schedule: str | None = None
+    devices: tuple[str, ...] | None = None
+    """Stage devices of a one-process pipeline (mp, torch-pipeline)."""
+    bound: float = field(default=1.0, compare=False)
+    """The best speedup over one worker the layout allows, as its strategy states it."""
+
+    @property
+    def label(self) -> str:
+        return self.strategy + (f" M={self.microbatches}" if self.microbatches is not None else "")
+
+
+@dataclass(frozen=True)
+class Job:
+    nproc: int
+    specs: tuple[Spec, ...]
+    title: str
+
+
+@dataclass
+class JobList:
+    jobs: list[Job] = field(default_factory=list)
+    skipped: list[tuple[Spec, str, str]] = field(default_factory=list)
+    """(spec, status, reason) of configurations reported without running."""
+
+
+def parse_strategies(text: str) -> list[str]:
+    """The requested strategies in a fixed order, with `single` always first: every speedup is over it."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for name in names:
+        if name not in BENCH_STRATEGIES:
+            raise unknown_name("strategy for bench", name, BENCH_STRATEGIES)
+    if not names:
+        raise ParatrainError(f"--strategies is empty; give some of {','.join(BENCH_STRATEGIES)}")
+    return sorted({"single", *names}, key=BENCH_STRATEGIES.index)
+
+
+def parse_counts(text: str, flag: str) -> list[int]:
+    try:
+        counts = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ParatrainError(f"{flag} {text!r}: expected whole numbers separated by commas, e.g. 1,2,4") from None
+    if not counts or min(counts) < 1:
+        raise ParatrainError(f"{flag} {text!r}: every value must be >= 1")
+    return sorted(set(counts))
+
+
+def parse_microbatches(text: str) -> list[int] | None:
+    """None means auto: the powers of two in AUTO_MICROBATCHES that divide the batch."""
+    return None if text == "auto" else parse_counts(text, "--microbatches")
+
+
+def context(strategy: str, nproc: int, settings: Settings, **options: Any) -> Context:
+    """The context `paratrain.setup` would build on rank 0 of a job of `nproc` workers here."""
+    config = make_config({"strategy": strategy, "precision": settings.precision, **options})
+    device = torch.device("cuda", 0) if settings.gpus else torch.device("cpu")
+    return Context(config=config, placement=Placement(world_size=nproc, local_world_size=nproc), device=device,
+                   gpus=settings.gpus)
+
+
+class _Builder:
+    def __init__(self, settings: Settings, microbatches: list[int] | None, references: bool) -> None:
+        self.s = settings
+        self.microbatches = microbatches
+        self.references = references
+        self.out = JobList()
+
+    def skip(self, spec: Spec, reason: str) -> None:
+        self.out.skipped.append((spec, "not-applicable", reason))
+
+    def with_reference(self, spec: Spec) -> list[Spec]:
+        ref = REFERENCE.get(spec.strategy)
+        if ref is None or not self.references:
+            return [spec]
+        twin = Spec(ref, spec.workers, spec.microbatches, spec.schedule, spec.devices, spec.bound)
+        if spec.schedule is not None and spec.schedule not in REFERENCE_SCHEDULES:
+            self.skip(twin, f"the hand-written torch.distributed.pipelining reference covers schedules "
+                            f"{', '.join(REFERENCE_SCHEDULES)}, not {spec.schedule!r}")
+            return [spec]
+        ceiling = [Spec(CEILING, spec.workers, bound=spec.workers)] if ref == "torch-ddp" else []
+        return [spec, twin, *ceiling]
+
+    def pipelined(self, strategy: Strategy, nproc: int, counts: list[int]) -> list[Spec]:
+        """One spec per micro-batch count, on the configured schedule, or GPipe where the strategy says
+        the schedule cannot run that count (1F1B needs at least as many micro-batches as stages)."""
+        specs = []
+        for m in counts:
+            schedules = [self.s.schedule, "gpipe"] if strategy.scheduled else [None]
+            for i, schedule in enumerate(schedules):
+                options = {"microbatches": m, **({"schedule": schedule} if schedule else {})}
+                ctx = context(strategy.name, nproc, self.s, **options)
+                try:
+                    strategy.check(ctx)
+                except ParatrainError as exc:
+                    if i + 1 == len(schedules):
+                        self.skip(Spec(strategy.name, nproc, m, schedule), str(exc))
+                    continue
+                workers = nproc * len(set(strategy.devices(ctx)))
+                specs.append(Spec(strategy.name, workers, m, schedule, _devices(strategy, ctx), strategy.bound(ctx)))
+                break
+        return specs
+
+    def add(self, name: str, workers: int) -> None:
+        strategy = strategies.get(name)
+        nproc = workers if strategy.needs_process_group else 1
+        ctx = context(name, nproc, self.s, microbatches="auto")
+        try:
+            check_nproc(nproc, self.s.gpus, "--workers", "hide the GPUs (CUDA_VISIBLE_DEVICES=)")
+            strategy.check(ctx)
+        except ParatrainError as exc:
+            self.skip(Spec(name, nproc), str(exc))
+            return
+        _, replicas = strategy.data_shard(ctx)
+        if self.s.batch % replicas:
+            self.skip(Spec(name, nproc), f"global batch {self.s.batch} cannot be split over {replicas} replicas "
+                                         f"({self.s.batch} % {replicas} = {self.s.batch % replicas}); use "
+                                         f"--batch-size {self.s.batch // replicas * replicas or replicas}")
+            return
+        devices = _devices(strategy, ctx)
+        where = f"{nproc} worker(s)" if nproc > 1 else f"1 process on {', '.join(devices or ('1 device',))}"
+        title = f"{name}{' vs ' + REFERENCE[name] if name in REFERENCE and self.references else ''}, {where}"
+        if not strategy.microbatched:
+            spec = Spec(name, nproc * len(set(strategy.devices(ctx))), devices=None, bound=strategy.bound(ctx))
+            self.out.jobs.append(Job(nproc, tuple(self.with_reference(spec)), title))
+            return
+        per_replica = self.s.batch // replicas
+        counts = list(AUTO_MICROBATCHES) if self.microbatches is None else self.microbatches
+        good = [m for m in counts if per_replica % m == 0]
+        for m in counts if self.microbatches is not None else []:
+            if per_replica % m:
+                self.skip(Spec(name, nproc, m), f"a batch of {per_replica} cannot be cut into {m} equal micro-batches "
+                                                f"({per_replica} % {m} = {per_replica % m}); use a divisor of "
+                                                f"{per_replica}")
+        specs = [twin for spec in self.pipelined(strategy, nproc, good) for twin in self.with_reference(spec)]
+        if specs:
+            self.out.jobs.append(Job(nproc, tuple(specs), title))
+
+
+def _devices(strategy: Strategy, ctx: Context) -> tuple[str, ...] | None:
+    """Stage devices of a one-process pipeline (what the hand-written torch-pipeline places stages on)."""
+    if strategy.needs_process_group or not strategy.microbatched:
+        return None
+    return tuple(str(d) for d in strategy.devices(ctx))
+
+
+def build(names: list[str], workers: list[int], microbatches: list[int] | None, settings: Settings,
+          references: bool = True) -> JobList:
+    """One job per strategy and worker count, in the order given (`parse_strategies` puts single first);
+    one-process strategies (single, dp, mp) once."""
+    builder = _Builder(settings, microbatches, references)
+    for name in names:
+        for w in workers if strategies.get(name).needs_process_group else [1]:
+            builder.add(name, w)
+    return builder.out

@@ -1,0 +1,117 @@
+"""Data-parallel wrapping: DDP, the switch for its gradient synchronisation, and the plain micro-step.
+
+Strategies compose these functions (torchtitan's `apply_ddp` manner; FSDP2 lives in `parallel.fsdp`);
+none of them knows about strategy names. `set_ddp_sync` is what `no_sync()` does, written as a
+persistent flag so a micro-step can be armed before the user's own forward runs (see `paratrain.step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import Config
+from ..errors import ParatrainError
+
+
+class _DDP(DistributedDataParallel):
+    """DDP whose "expected to have finished reduction" error names the parameters that got no gradient."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as exc:
+            if "finished reduction" not in str(exc):
+                raise
+            unused = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+            names = ", ".join(unused) if unused else "(none found by name; set TORCH_DISTRIBUTED_DEBUG=DETAIL)"
+            raise ParatrainError(
+                f"DDP: parameters did not take part in the previous backward: {names}. "
+                "Use them in forward, freeze them (requires_grad=False), or pass "
+                "setup(find_unused_parameters=True)"
+            ) from exc
+
+    @property
+    def plan(self) -> Any:
+        """The wrapped pipeline's plan (ddp+mp), so `model.plan` reads the same under DDP."""
+        return getattr(self.module, "plan", None)
+
+
+def _register_comm_hook(model: DistributedDataParallel, name: str | None) -> None:
+    if name is None:
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+    model.register_comm_hook(None, hooks[name])
+
+
+def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, process_group: Any = None) -> nn.Module:
+    """Wrap `model` (already on its device(s)) in DDP with the run's options."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ParatrainError("DDP needs at least one parameter with requires_grad=True")
+    kwargs: dict[str, Any] = {
+        "device_ids": device_ids,
+        "process_group": process_group,
+        "find_unused_parameters": cfg.find_unused_parameters,
+        "static_graph": cfg.static_graph,
+        "gradient_as_bucket_view": cfg.gradient_as_bucket_view,
+    }
+    if cfg.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
+    wrapped = _DDP(model, **kwargs)
+    _register_comm_hook(wrapped, cfg.comm_hook)
+    return wrapped
+
+
+def set_ddp_sync(model: nn.Module, sync: bool) -> None:
+    """Whether the next backward of every DDP module in `model` all-reduces (False: accumulate locally)."""
+    for m in model.modules():
+        if isinstance(m, DistributedDataParallel):
+            m.require_backward_grad_sync = sync
+
+
+def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int) -> None:
+    """Mean gradients over a process group: one all-reduce per dtype over a flat copy."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: torch.device) -> Any:
+    """The outputs of a forward pass, or given `loss_fn` the mean loss over every rank's rows (ranks may
+    hold different numbers, as an evaluation loader gives them), on every rank."""
+    from ..collectives import all_reduce
+    from .microbatch import batch_size
+
+    out = model(inputs)
+    if loss_fn is None:
+        return out
+    rows = float(batch_size(inputs))
+    loss = float(loss_fn(out, targets))
+    total = all_reduce(torch.tensor([loss * rows, rows], dtype=torch.float64), op="sum", device=device)
+    return (total[0] / total[1]).float()
+
+
+def forward_backward(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, backward: Any) -> torch.Tensor:
+    """The plain micro-step (forward, loss, backward) on this rank's share; returns the mean loss over all
+    ranks, each holding an equal share of the global batch."""
+    from ..collectives import all_reduce
+
+    loss = loss_fn(model(inputs), targets)
+    backward(loss)
+    return all_reduce(loss.detach().float(), op="mean")

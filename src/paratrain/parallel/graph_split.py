@@ -1,0 +1,347 @@
+"""Cutting a traced model into segments between its layers, each a module a pipeline stage can run.
+
+The candidate cuts are the model's layers in its own names: top-level children, and each item of a
+container of repeated blocks (`nn.ModuleList`, `nn.ModuleDict`, `nn.Sequential`, also inside a child
+that holds one, as Hugging Face models hold `transformer.h` or `model.layers`), as torchtitan and
+Megatron cut transformers by layer. Every node of the traced graph belongs to the layer it ran in;
+code of the model's own forward (adding two embeddings, the residual stream) goes with the layer
+before it. A segment is the run of nodes from one layer's first node to the next layer's first node.
+
+Values cross from one segment to the next as a flat tuple: everything defined before the cut and used
+after it, so several values (token and position embeddings), values that skip over segments (a
+residual, an attention mask every block reads) and dicts or tuples (flattened to their tensors) all
+pass. An integer the graph computed from a batch size (`b = x.size(0)` before `x.view(b, t, h, d)`) is
+not sent but read again from a tensor that crosses with it, so the graph stays valid at any batch size.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from ..errors import ParatrainError
+from . import randomness
+from .batchnorm import defer_graph
+from .tracing import Traced, module_path, module_types
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default)
+_ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default,)
+
+
+def _holds_container(module: nn.Module) -> bool:
+    return any(isinstance(m, CONTAINERS) for m in module.modules() if m is not module)
+
+
+def unit_paths(model: nn.Module, prefix: str = "") -> list[str]:
+    """The layers a pipeline may cut between, outermost first, in the model's own names."""
+    out: list[str] = []
+    for name, child in model.named_children():
+        path = prefix + name
+        if isinstance(child, CONTAINERS):
+            out += [f"{path}.{item}" for item, _ in child.named_children()]
+        elif _holds_container(child):
+            out += unit_paths(child, path + ".")
+        else:
+            out.append(path)
+    return out
+
+
+def _unit_of(node: fx.Node, units: set[str]) -> str | None:
+    for path in reversed(module_path(node)):
+        if path in units:
+            return path
+    return None
+
+
+def _is_value(node: fx.Node) -> bool:
+    return node.op in ("placeholder", "call_function", "call_method", "call_module") and node.target != "_guards_fn"
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if _is_value(n) and n.op != "placeholder"]
+
+
+def unit_order(gm: fx.GraphModule, units: list[str]) -> list[str]:
+    """The layers that run, in the order their first node runs."""
+    known, order = set(units), []
+    for node in _compute_nodes(gm):
+        unit = _unit_of(node, known)
+        if unit is not None and unit not in order:
+            order.append(unit)
+    return order
+
+
+def assign(gm: fx.GraphModule, order: list[str]) -> dict[fx.Node, int]:
+    """Segment index of every compute node: its layer's, or the segment current when it runs."""
+    index = {unit: i for i, unit in enumerate(order)}
+    current, out = 0, {}
+    for node in _compute_nodes(gm):
+        unit = _unit_of(node, set(order))
+        if unit is not None and index[unit] > current:
+            current = index[unit]
+        out[node] = current
+    return out
+
+
+@dataclass
+class _Boundary:
+    sent: list[fx.Node] = field(default_factory=list)
+    """Values passed to the next segment, in this order."""
+    reread: dict[fx.Node, tuple[fx.Node, int]] = field(default_factory=dict)
+    """Integers recomputed after the cut as `tensor.size(dim)` of a sent tensor."""
+
+
+def _expr(size: Any) -> str:
+    return str(size.node.expr) if isinstance(size, torch.SymInt) else str(size)
+
+
+def _boundaries(gm: fx.GraphModule, seg: dict[fx.Node, int], count: int) -> list[_Boundary]:
+    """What crosses each of the `count - 1` cuts."""
+    values = [n for n in gm.graph.nodes if _is_value(n)]
+    defined = {n: (-1 if n.op == "placeholder" else seg[n]) for n in values}
+
+    def last_use(node: fx.Node) -> int:
+        return max((count if u.op == "output" else seg.get(u, -1) for u in node.users), default=-1)
+
+    uses = {n: last_use(n) for n in values}
+    out = []
+    for k in range(count - 1):
+        live = [n for n in values if defined[n] <= k < uses[n]]
+        boundary = _Boundary()
+        tensors = [n for n in live if isinstance(n.meta.get("val"), torch.Tensor)]
+        for node in live:
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                source = next(((t, d) for t in tensors for d, size in enumerate(t.meta["val"].shape)
+                               if _expr(size) == _expr(val)), None)
+                if source is not None:
+                    boundary.reread[node] = source
+                    continue
+            boundary.sent.append(node)
+        out.append(boundary)
+    return out
+
+
+def _rewrite_randomness(gm: fx.GraphModule, model_name: str) -> None:
+    """Dropout ops become paratrain's layout-independent dropout, keyed by the layer's path; dropout a
+    module calls as a function (not an nn.Dropout) is refused, as its masks could not follow the layer."""
+    calls: dict[str, int] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _ATTENTION and len(node.args) > 4 and node.args[4]:
+            raise _functional_dropout(node, model_name, "scaled_dot_product_attention(dropout_p>0)")
+        if node.target not in _DROPOUTS:
+            continue
+        x, p, train = node.args[:3]
+        paths, kinds = module_path(node), module_types(node)
+        key = paths[-1] if paths else ""
+        if not (kinds and _is_dropout_module(kinds[-1])) and train and p:
+            raise _functional_dropout(node, model_name, "a dropout function (F.dropout)")
+        call = calls.get(key, 0)
+        calls[key] = call + 1
+        channels = node.target is torch.ops.aten.feature_dropout.default
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_function(randomness.dropout, (x, p, train, key, call, channels))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _is_dropout_module(kind: Any) -> bool:
+    """nn_module_stack names classes by their qualified name (or holds the class itself)."""
+    name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+    return name.startswith("torch.nn.modules.dropout.") and name.rsplit(".", 1)[-1] in (
+        "Dropout", "Dropout1d", "Dropout2d", "Dropout3d")
+
+
+def _functional_dropout(node: fx.Node, model_name: str, what: str) -> ParatrainError:
+    where = ".".join(p for p in module_path(node)[-1:] if p) or model_name
+    return ParatrainError(
+        f"{model_name}.{where} calls {what} while training; a pipeline keeps dropout masks independent of "
+        "which stage runs a layer only for nn.Dropout modules: call an nn.Dropout module there, set that "
+        "dropout probability to 0, or use a data-parallel strategy"
+    )
+
+
+def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary | None,
+                   outputs: _Boundary | None) -> fx.GraphModule:
+    """The nodes of one segment as a graph: inputs are the sent values (or the model's flat inputs)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    if inputs is None:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = graph.placeholder(node.name)
+                env[node].meta = dict(node.meta)
+    else:
+        for node in inputs.sent:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+        for node, (tensor, dim) in inputs.reread.items():
+            env[node] = graph.call_function(torch.ops.aten.sym_size.int, (env[tensor], dim))
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node.op != "get_attr":
+                raise ParatrainError(f"internal: value {node.name} is not available in this pipeline segment")
+            env[node] = graph.get_attr(node.target)  # type: ignore[arg-type]
+        return env[node]
+
+    for node in nodes:
+        env[node] = graph.node_copy(node, lookup)
+    if outputs is None:
+        (result,) = next(n for n in gm.graph.nodes if n.op == "output").args
+        graph.output(pytree.tree_map(lambda n: lookup(n) if isinstance(n, fx.Node) else n, result))
+    else:
+        graph.output(tuple(lookup(n) for n in outputs.sent))
+    graph.lint()
+    return fx.GraphModule(gm, graph)
+
+
+def _assign_attr(root: nn.Module, target: str, value: torch.Tensor) -> None:
+    *path, name = target.split(".")
+    module = root
+    for part in path:
+        module = getattr(module, part)
+    setattr(module, name, value)
+
+
+def _is_param(model: nn.Module, target: str) -> bool:
+    owner, _, attr = target.rpartition(".")
+    return attr in (model.get_submodule(owner) if owner else model)._parameters
+
+
+def _has(root: nn.Module, target: str) -> bool:
+    try:
+        root.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _attach_tensor(owner: nn.Module, path: str, value: torch.Tensor, model: nn.Module) -> None:
+    """Register one parameter or buffer at `path` under fresh parents (persistence as in `model`)."""
+    parent_path, _, attr = path.rpartition(".")
+    node = owner
+    for part in parent_path.split(".") if parent_path else []:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]  # type: ignore[assignment]
+    if isinstance(value, nn.Parameter):
+        node.register_parameter(attr, value)
+    else:
+        source = model.get_submodule(parent_path) if parent_path else model
+        node.register_buffer(attr, value, persistent=attr not in source._non_persistent_buffers_set)
+
+
+def _attach(owner: nn.Module, path: str, module: nn.Module) -> None:
+    """Register `module` at dotted `path` under `owner`, creating empty parents as needed."""
+    *parents, name = path.split(".")
+    node = owner
+    for part in parents:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]  # type: ignore[assignment]
+    if name not in node._modules:
+        node.add_module(name, module)
+
+
+def _belongs_to(model: nn.Module, target: str) -> bool:
+    """A parameter or buffer of the user's model (not a submodule or constant the tracer made)."""
+    owner, _, attr = target.rpartition(".")
+    try:
+        holder = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return attr in holder._parameters or attr in holder._buffers
+
+
+class GraphSegment(nn.Module):
+    """One segment of a traced model, holding the user's modules it uses under their own paths.
+
+    It runs its training graph or its evaluation graph by its mode; both refer to the same parameters.
+    The first segment takes the model's input as the user passes it; the last returns the model's output
+    in the model's own structure (a tensor, a dict, a ModelOutput); the others pass flat tuples.
+    """
+
+    def __init__(self, name: str, graphs: dict[bool, fx.GraphModule], model: nn.Module, specs: dict[bool, Any],
+                 first: bool, last: bool) -> None:
+        super().__init__()
+        self.name, self.first, self.last = name, first, last
+        self._graphs = graphs  # unregistered: the user's modules are registered below, by path
+        self._specs = specs
+        targets = sorted({str(n.target) for gm in graphs.values() for n in gm.graph.nodes
+                          if n.op == "get_attr" and _belongs_to(model, str(n.target))}, key=lambda t: t.count("."))
+        for target in targets:
+            owner, _, attr = target.rpartition(".")
+            if owner:
+                _attach(self, owner, model.get_submodule(owner))
+            else:  # a tensor of the model itself: register that tensor alone
+                _attach_tensor(self, target, getattr(model, attr), model)
+        used = {id(self.get_parameter(t)) if _is_param(model, t) else None for t in targets} - {None}
+        for name, p in model.named_parameters(remove_duplicate=False):  # other names of a tied weight
+            if id(p) in used and not _has(self, name):
+                _attach_tensor(self, name, p, model)
+        self._targets = targets
+
+    def repoint(self) -> None:
+        """After moving (`.to`), buffers are new tensors: the graphs read them from the registered modules."""
+        for target in self._targets:
+            owner, _, attr = target.rpartition(".")
+            value = getattr(self.get_submodule(owner) if owner else self, attr)
+            for gm in self._graphs.values():
+                _assign_attr(gm, target, value)
+
+    def forward(self, value: Any) -> Any:
+        gm = self._graphs[self.training]
+        in_spec, out_spec = self._specs[self.training]
+        if self.first:
+            flat, spec = pytree.tree_flatten(((value,), {}))
+            if spec != in_spec:
+                raise ParatrainError(
+                    f"the inputs' structure {spec} differs from the example given to run.prepare ({in_spec}); "
+                    "pass inputs with the same keys and nesting as that example"
+                )
+        else:
+            flat = list(value) if isinstance(value, tuple) else [value]
+        out = gm(*flat)
+        return pytree.tree_unflatten(list(out), out_spec) if self.last else tuple(out)
+
+
+def traced_segments(model: nn.Module, traced: Traced, defer_batchnorm: bool = False) -> list[tuple[str, nn.Module]]:
+    """The traced model cut before each of its layers: (layer names, segment module) in order."""
+    name = type(model).__name__
+    units = unit_paths(model)
+    order = unit_order(traced.train, units)
+    if len(order) < 2:
+        raise ParatrainError(
+            f"{name} has {len(order)} layer(s) a pipeline can cut between (top-level children, or items of "
+            "an nn.ModuleList/ModuleDict/Sequential); give it at least 2, or use a data-parallel strategy"
+        )
+    graphs: dict[bool, list[fx.GraphModule]] = {}
+    specs: dict[bool, Any] = {}
+    for training, gm in ((True, traced.train), (False, traced.eval)):
+        _rewrite_randomness(gm, name)
+        if defer_batchnorm:
+            defer_graph(gm, lambda node: (module_path(node) or [""])[-1])
+        seg = assign(gm, order)
+        cuts = _boundaries(gm, seg, len(order))
+        nodes = [[n for n in _compute_nodes(gm) if seg[n] == k and n.op != "call_module"] for k in range(len(order))]
+        graphs[training] = [_segment_graph(gm, nodes[k], cuts[k - 1] if k else None,
+                                           cuts[k] if k < len(order) - 1 else None) for k in range(len(order))]
+        info = gm.graph._codegen.pytree_info  # type: ignore[attr-defined]
+        specs[training] = (info.in_spec, info.out_spec)
+    return [(unit, GraphSegment(unit, {True: graphs[True][k], False: graphs[False][k]}, model, specs,
+                                first=k == 0, last=k == len(order) - 1))
+            for k, unit in enumerate(order)]
+
+
+__all__ = ["GraphSegment", "traced_segments", "unit_paths", "operator"]

@@ -1,0 +1,51 @@
+"""Checks of pipeline options against the job's shape (stages, workers), shared by every pipeline strategy.
+
+Values on their own (a positive micro-batch count, a known schedule) are checked once in
+`paratrain.config.validate`; what needs the number of stages is checked here, before any process waits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import Config
+from ..errors import ParatrainError
+
+
+def check_balance_entries(balance: Any, stages: int, where: str) -> None:
+    """An explicit balance gives one layer count per stage."""
+    if not isinstance(balance, str) and len(balance) != stages:
+        raise ParatrainError(
+            f"{where}: balance {list(balance)} has {len(balance)} entries but there are {stages} stages; "
+            f"give one layer count per stage, or balance='time'"
+        )
+
+
+def check_layout(schedule: str, pp: int, per_worker: int, microbatches: int | str) -> None:
+    """Reject a micro-batch count the schedule cannot run on this many stages, before any process waits."""
+    stages = pp * per_worker
+    if schedule == "1f1b" and isinstance(microbatches, int) and microbatches < stages:
+        raise ParatrainError(
+            f"schedule '1f1b' needs at least as many micro-batches as stages: microbatches={microbatches} < "
+            f"{stages} stages (pp {pp} x stages_per_worker {per_worker}); use microbatches>={stages} "
+            f"(e.g. {2 * stages}), microbatches='auto' or schedule='gpipe'"
+        )
+
+
+def example_needed(where: str, why: str) -> ParatrainError:
+    """The error for a split that needs an example batch which `prepare` was not given."""
+    return ParatrainError(
+        f"{where}: {why}, which needs an example batch: call run.prepare(model, optimizer, example=inputs) "
+        "with one batch of model inputs as the loader yields them (e.g. the first batch's inputs)"
+    )
+
+
+def check_pipeline(cfg: Config, pp: int, where: str) -> None:
+    """What every multi-process pipeline (pp, ddp+pp) needs from the options, given `pp` pipeline ranks."""
+    check_layout(cfg.schedule, pp, cfg.stages_per_worker, cfg.microbatches)
+    check_balance_entries(cfg.balance, pp * cfg.stages_per_worker, where)
+    if cfg.precision == "16":
+        raise ParatrainError(
+            f"{where}: precision='16' needs a GradScaler on the loss, which the pipeline schedule computes "
+            "and differentiates itself; use precision='bf16' (no scaler needed) or '32'"
+        )

@@ -1,0 +1,154 @@
+"""Dropout masks that do not depend on the layout: not on the rank or stage that runs a layer, the world
+size, the balance, or how a batch is cut into micro-batches.
+
+torch draws dropout masks from a per-process generator, so a layer's mask changes when a balance moves
+the layer to another rank, when a batch is split into micro-batches, or when another number of
+workers shares the batch. Here every kept/dropped bit is a counter-based hash of
+
+    (seed, micro-step, layer, global row, position within the row)
+
+computed with integer tensor operations, the same on CPU and CUDA. The global row is the sample's index
+in the global batch of that micro-step: a worker's share starts at `rows_before` (set by the sharded
+loader) and a micro-batch further in (set by the pipeline engines). The layer is the dropout module's
+path in the user's model (plus which call of it this is), or, for a traced model, the path torch.export
+records for the dropout op: both name the same layer, so every strategy draws the same masks.
+
+What is covered: `nn.Dropout` (and `Dropout1d/2d/3d`, whole channels) modules everywhere, and dropout
+ops inside traced models. Dropout called as a function inside a module (F.dropout, or a nonzero
+`dropout_p` of scaled_dot_product_attention) is refused by the pipelines and draws from torch's
+generator under the other strategies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+_MASK32 = 0xFFFFFFFF
+_ROW_MIX = 0x9E3779B1
+
+
+class _Context:
+    """Where the current forward is: seed, micro-step and the first global row of this worker's rows."""
+
+    def __init__(self) -> None:
+        self.seed = 0
+        self.step = 0
+        self.rows_before = 0
+        self.calls: dict[tuple[str, int, int], int] = {}
+
+
+_CTX = _Context()
+
+
+def set_seed(seed: int) -> None:
+    _CTX.seed = seed
+
+
+def at_micro_step(step: int) -> None:
+    """The micro-step the next forward belongs to (the run's step counter)."""
+    if step != _CTX.step:
+        _CTX.step = step
+        _CTX.calls.clear()
+
+
+def set_rows_before(rows: int) -> None:
+    """Global rows of the current global batch that come before this worker's share (the loader sets it)."""
+    _CTX.rows_before = rows
+
+
+@contextmanager
+def rows_offset(extra: int) -> Iterator[None]:
+    """Within the block, rows start `extra` rows further into the worker's share (a micro-batch)."""
+    before = _CTX.rows_before
+    _CTX.rows_before = before + extra
+    try:
+        yield
+    finally:
+        _CTX.rows_before = before
+
+
+def snapshot() -> dict[tuple[str, int, int], int]:
+    """The per-layer call counts of the current micro-step (trial steps put them back afterwards)."""
+    return dict(_CTX.calls)
+
+
+def restore(calls: dict[tuple[str, int, int], int]) -> None:
+    _CTX.calls = dict(calls)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding values below 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _base(key: str, call: int) -> int:
+    text = f"{_CTX.seed}/{_CTX.step}/{key}/{call}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
+
+
+def keep_mask(shape: torch.Size, p: float, key: str, call: int, device: torch.device,
+              rows_before: int | None = None) -> torch.Tensor:
+    """True where an element of a (rows, ...) tensor is kept; rows are numbered from `rows_before`."""
+    rows = shape[0]
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= d
+    start = _CTX.rows_before if rows_before is None else rows_before
+    row = torch.arange(start, start + rows, device=device, dtype=torch.int64).view(rows, 1)
+    col = torch.arange(per_row, device=device, dtype=torch.int64).view(1, per_row)
+    bits = _mix(_mix(col ^ _base(key, call)) ^ ((row * _ROW_MIX) & _MASK32))
+    threshold = min(int(p * 2**32), 2**32)
+    return (bits >= threshold).view(shape)
+
+
+def dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0, channels: bool = False) -> torch.Tensor:
+    """Dropout of `x` with the layout-independent mask of layer `key` (its `call`-th use in a forward).
+    `channels` drops whole channels (dims 0-1 of the mask, as Dropout1d/2d/3d do)."""
+    if not train or p == 0.0:
+        return x
+    if p >= 1.0:
+        return x * 0.0
+    shape = x.shape[:2] if channels else x.shape
+    keep = keep_mask(shape, p, key, call, x.device)
+    if channels:
+        keep = keep.view(*shape, *([1] * (x.dim() - 2)))
+    return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
+
+
+def _next_call(key: str) -> int:
+    slot = (key, _CTX.step, _CTX.rows_before)
+    call = _CTX.calls.get(slot, 0)
+    _CTX.calls[slot] = call + 1
+    return call
+
+
+_CHANNEL_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+def _module_forward(module: nn.Module, key: str) -> Any:
+    channels = isinstance(module, _CHANNEL_DROPOUTS)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, module.p, module.training, key, _next_call(key), channels)  # type: ignore[arg-type]
+
+    return forward
+
+
+def apply_layout_dropout(model: nn.Module) -> list[str]:
+    """Make every nn.Dropout module of `model` draw layout-independent masks; returns their paths."""
+    names = []
+    for name, module in model.named_modules():
+        if type(module) in (nn.Dropout, *_CHANNEL_DROPOUTS) and "forward" not in module.__dict__:
+            module.forward = _module_forward(module, name)  # type: ignore[method-assign]
+            names.append(name)
+    return names

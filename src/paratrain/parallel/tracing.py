@@ -1,0 +1,110 @@
+"""Tracing a model that is not an nn.Sequential, so a pipeline can cut it between layers.
+
+torch.export captures the model's forward as an aten graph with the batch dimension of every input
+left symbolic (`Dim.AUTO`), so the graph runs at any batch size: a micro-batch, the short last batch
+of an epoch, a validation batch. Training and evaluation are traced separately, because a graph fixes
+`self.training`-dependent code (dropout, BatchNorm, `if self.training:` branches) at trace time; a
+stage runs the graph of its current mode, so `model.eval()` reaches every piece.
+
+Every node keeps the module path it came from (`nn_module_stack`), which is how the cut points and the
+report use the user's own names (`blocks.0` ... `blocks.3`) and how dropout layers are keyed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..errors import ParatrainError
+
+
+@dataclass
+class Traced:
+    """The two graphs of one model (same parameters), and how the user's input and output flatten."""
+
+    train: fx.GraphModule
+    eval: fx.GraphModule
+    in_spec: Any
+    out_spec: Any
+
+
+def _dynamic_batch(value: Any) -> Any:
+    """A dynamic_shapes entry marking dim 0 of every tensor dynamic, mirroring the value's structure."""
+    from torch.export import Dim
+
+    if isinstance(value, torch.Tensor):
+        return {0: Dim.AUTO} if value.dim() else None
+    if isinstance(value, dict):
+        return {k: _dynamic_batch(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_dynamic_batch(v) for v in value)
+    return None
+
+
+def _widen(value: Any) -> Any:
+    """An example of at least 2 rows: torch.export fixes a dimension of size 1 (or 0) to that size."""
+    if isinstance(value, torch.Tensor):
+        return torch.cat([value, value]) if value.dim() and value.shape[0] < 2 else value
+    if isinstance(value, dict):
+        return {k: _widen(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_widen(v) for v in value)
+    return value
+
+
+@contextmanager
+def _plain_modules(model: nn.Module, training: bool) -> Iterator[None]:
+    """The model in `training` mode with its own forwards (paratrain's layout-independent dropout is put
+    back into the graph afterwards, not traced through), restored on exit."""
+    patched = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and m is not model}
+    modes = {m: m.training for m in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+        for m, forward in patched.items():
+            m.forward = forward  # type: ignore[method-assign]
+
+
+def _export(model: nn.Module, example: Any, training: bool) -> fx.GraphModule:
+    from torch.export import export
+
+    with _plain_modules(model, training):
+        ep = export(model, (example,), dynamic_shapes=(_dynamic_batch(example),), strict=False)
+    return ep.module()  # type: ignore[return-value]
+
+
+def trace(model: nn.Module, example: Any) -> Traced:
+    """Both graphs of `model` for inputs shaped like `example` (one positional argument), any batch size."""
+    name = type(model).__name__
+    example = _widen(example)
+    try:
+        train = _export(model, example, training=True)
+        evaluation = _export(model, example, training=False)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ParatrainError(
+            f"{name} cannot be traced to be split into pipeline stages (torch.export: {type(exc).__name__}: "
+            f"{first[:300]}). Make its forward traceable (no data-dependent Python control flow), or write it "
+            "as an nn.Sequential of its layers, or use a data-parallel strategy (ddp, fsdp)"
+        ) from exc
+    info = train.graph._codegen.pytree_info  # type: ignore[attr-defined]
+    return Traced(train=train, eval=evaluation, in_spec=info.in_spec, out_spec=info.out_spec)
+
+
+def module_path(node: fx.Node) -> list[str]:
+    """The module paths a node ran inside, outermost first ("" is the model itself)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path for path, _ in stack.values()]
+
+
+def module_types(node: fx.Node) -> list[Any]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [kind for _, kind in stack.values()]
