@@ -351,8 +351,8 @@ def _env(path: Path) -> dict[str, str]:
 def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
     """The tiny gpt on single, ddp and pp (2 micro-batches), 2 CPU workers: valid results.json with the
     counted FLOPs and each worker's measured peak; every ok run has tokens/s and an MFU in (0, 1]; the
-    references and the data-parallel runs are ok; paratrain's pp is ok or carries its reason. (mp runs the
-    same hand cut in one process; test_hand_cut_gpt_keeps_the_tied_weight_exact covers it.)"""
+    references and the data-parallel runs are ok; paratrain's pp is ok or carries its reason. (torch-pipeline,
+    beside mp, runs the same hand cut in one process; test_hand_cut_gpt_keeps_the_tied_weight_exact covers it.)"""
     out = tmp_path / "bench"
     proc = paratrain("bench", "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp",
                      "--workers", "2", "--microbatches", "2", "--steps", "2", "--repeat", "1", "--warmup", "0",
