@@ -177,9 +177,15 @@ def choose_balance(
     return solve(balance_costs(costs, requested), stages), costs
 
 
-def describe(balance: Sequence[int], costs: Sequence[LayerCost] | None, mode: str | Sequence[int]) -> str:
-    """One line for the log: the balance and, when measured, per-stage times against the equal split."""
+def describe(balance: Sequence[int], costs: Sequence[LayerCost] | None, mode: str | Sequence[int],
+             names: Sequence[str] = ()) -> str:
+    """One line for the log: the balance, what each stage holds in the model's own names, and when
+    measured the per-stage times against the equal split."""
     text = f"balance {list(balance)}"
+    if names:
+        starts = [sum(balance[:i]) for i in range(len(balance))]
+        spans = [names[a] if n == 1 else f"{names[a]}..{names[a + n - 1]}" for a, n in zip(starts, balance)]
+        text += f" ({' | '.join(spans)})"
     if costs:
         seconds = [c.seconds for c in costs]
         mine = stage_sums(seconds, balance)

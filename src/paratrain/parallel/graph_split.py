@@ -279,7 +279,7 @@ class GraphSegment(nn.Module):
         self._graphs = graphs  # unregistered: the user's modules are registered below, by path
         self._specs = specs
         targets = sorted({str(n.target) for gm in graphs.values() for n in gm.graph.nodes
-                          if n.op == "get_attr" and _belongs_to(model, str(n.target))}, key=lambda t: t.count("."))
+                          if n.op == "get_attr" and _belongs_to(model, str(n.target))}, key=lambda t: (t.count("."), t))
         for target in targets:
             owner, _, attr = target.rpartition(".")
             if owner:

@@ -86,7 +86,7 @@ class MPPipeline(nn.Module):
         check_one_device(self.model, self.stages, self.devices)
         self.plan.balance = balance
         self.plan.layer_costs = costs
-        self.plan.note(describe(balance, costs, requested))
+        self.plan.note(describe(balance, costs, requested, [name for name, _ in layers]))
 
     def _place(self, stages: list[Stage]) -> None:
         for stage, device in zip(stages, self.devices):

@@ -144,7 +144,7 @@ class PipelineModule(nn.Module):
                 p.grad = None
         self.plan.balance = balance
         self.plan.layer_costs = costs
-        self.plan.note(describe(balance, costs, requested))
+        self.plan.note(describe(balance, costs, requested, [name for name, _ in layers]))
         return local
 
     def reduce_tied_gradients(self) -> None:
@@ -248,6 +248,8 @@ class PipelineModule(nn.Module):
     def _evaluate(self, inputs: Any, targets: Any, loss_fn: LossFn | None) -> Any:
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
+        if self.schedule_name == "zero-bubble" and self.per_worker == 2:
+            return self._evaluate_in_stage_order(inputs, targets, loss_fn)
         wanted = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
         m = max(d for d in divisors(batch) if d <= wanted)
         sched, stages = self._schedule(m, inputs, training=False, loss=loss_fn is not None)
@@ -266,6 +268,34 @@ class PipelineModule(nn.Module):
         if loss_fn is not None:
             return torch.stack([loss.detach().float() for loss in losses]).sum()
         return self._last().rebuild(out)
+
+    def _evaluate_in_stage_order(self, inputs: Any, targets: Any, loss_fn: LossFn | None) -> Any:
+        """The whole batch through the stages in order, handed from rank to rank: the forward-only pass of
+        the V layout (torch 2.14's V schedules walk their backward actions in eval() and fail)."""
+        owner = {i: r for r in range(self.pp) for i in stage_indices(self.schedule_name, r, self.pp, self.per_worker)}
+        mine = {stage.index: stage for stage in self.local}
+        value: Any = None
+        for index in range(self.num_stages):
+            if index not in mine:
+                continue
+            stage = mine[index]
+            if index == 0:
+                value = stage(*self._flat_inputs(inputs))
+            else:
+                if owner[index - 1] != self.pp_rank:
+                    box: list[Any] = [None]
+                    dist.recv_object_list(box, src=dist.get_global_rank(self.group, owner[index - 1])
+                                          if self.group is not None else owner[index - 1], group=self.group)
+                    value = map_tensors(lambda t: t.to(self.device), box[0])
+                value = stage(*value) if isinstance(value, tuple) else stage(value)
+            if index + 1 < self.num_stages and owner[index + 1] != self.pp_rank:
+                dst = owner[index + 1]
+                dist.send_object_list([map_tensors(lambda t: t.cpu(), value)], group=self.group,
+                                      dst=dist.get_global_rank(self.group, dst) if self.group is not None else dst)
+        if self.num_stages - 1 not in mine:
+            return None
+        out = self._last().rebuild(value)
+        return loss_fn(out, targets).detach().float() if loss_fn is not None else out
 
     def _last(self) -> Stage:
         return next(s for s in self.local if s.index == self.num_stages - 1)

@@ -61,7 +61,7 @@ class TiedGradients:
 
     def reduce(self, device: torch.device) -> None:
         """Every holder's gradient becomes the sum over all holders (zeros stand in for ranks without it)."""
-        for dtype in {e[2] for e in self.entries}:
+        for dtype in sorted({e[2] for e in self.entries}, key=str):  # the same order on every rank
             group = [e for e in self.entries if e[2] == dtype]
             flat = torch.cat([(p.grad if p is not None and p.grad is not None else
                                torch.zeros(shape, dtype=dtype, device=device)).reshape(-1) for p, shape, _ in group])
