@@ -7,7 +7,7 @@ import builtins
 import contextlib
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from .config import Config, make_config
 from .data import ShardedLoader
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
+from .observe import Breakdown, MetricLog
 from .parallel.randomness import apply_layout_dropout, set_seed
 from .precision import apply_autocast, make_scaler
 from .step import PreparedOptimizer, Step, rebind
@@ -39,6 +40,14 @@ class Run:
         self._stop = stop
         self._stop_seen: tuple[int, bool] | None = None
         self._saves = 0
+        self.timing = Breakdown(ctx.device, enabled=config.profile)
+        """The per-rank step breakdown (`setup(profile=True)` or `paratrain.profile(run)`); see observe/breakdown.py."""
+        _, replicas = strategy.data_shard(ctx)
+        self._metrics = MetricLog(rank=self.rank, world_size=self.world_size, ranks_per_replica=self.world_size //
+                                  replicas, device=ctx.device, timing=self.timing, all_reduce_sum=self._log_sum,
+                                  log_dir=config.log_dir, checkpoint_dir=config.checkpoint_dir,
+                                  progress=config.progress)
+        self._global_batch: int | None = None
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -91,17 +100,23 @@ class Run:
         wrapped = self.strategy.wrap(model, self.ctx, example)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)
+        self.timing.track(wrapped)
+        self._metrics.start(None, self.step.count)  # step time and rates count from here, not from setup
         _seed(self.config.seed + 1 + self.rank)  # weights are built; from here on randomness differs per rank
         if optimizer is None:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
-        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler)
+        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase)
 
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
         """Shard `loader` over data-parallel replicas (its batch_size is per worker). With evaluation=True each
         sample goes to exactly one rank and none is repeated, so all-reduced sums are exact."""
         replica, replicas = self.strategy.data_shard(self.ctx)
-        return ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation)
+        sharded = ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation)
+        sharded.timing = self.timing
+        if not evaluation:
+            self._global_batch = sharded.global_batch  # for run.log's samples/s
+        return sharded
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for state dicts and evaluation)."""
@@ -120,7 +135,7 @@ class Run:
     def backward(self, loss: torch.Tensor) -> None:
         """Ends a micro-step the user's loop ran `model(x)` for: backward with accumulation and fp16 loss
         scaling; gradients are synchronised only on the last micro-step of a window."""
-        with self._watch.op_scope("backward"), self.step.micro():  # DDP all-reduces inside backward
+        with self._watch.op_scope("backward"), self.step.micro(), self.timing.micro_step():  # DDP syncs in here
             self._scaled_backward(loss)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -128,7 +143,7 @@ class Run:
         Under torch.no_grad() nothing is trained: it is `evaluate(model, inputs, targets, loss_fn)`."""
         if not torch.is_grad_enabled():
             return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
-        with self._watch.op_scope("forward_backward"), self.step.micro(model):
+        with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
             return self.strategy.forward_backward(model, inputs, targets, loss_fn, self._scaled_backward, self.ctx)
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None) -> Any:
@@ -156,11 +171,11 @@ class Run:
 
     # -- communication --------------------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        with self._watch.op_scope("all_reduce"):
+        with self._watch.op_scope("all_reduce"), self.timing.phase("comm"):
             return collectives.all_reduce(value, op=op, device=self.device)
 
     def barrier(self) -> None:
-        with self._watch.op_scope("barrier"):
+        with self._watch.op_scope("barrier"), self.timing.phase("comm"):
             collectives.barrier()
 
     @property
@@ -170,11 +185,30 @@ class Run:
         self._stop.polled = True
         if self._stop_seen is not None and self._stop_seen[0] == self.step.count:
             return self._stop_seen[1]  # asked again within the same step: same answer, no second collective
-        with self._watch.op_scope("should_stop"):
+        with self._watch.op_scope("should_stop"), self.timing.phase("comm"):
             flag = bool(collectives.all_reduce(float(self._stop.requested), op="max", device=self.device) > 0)
         self._stop_seen = (self.step.count, flag)
         self._stop.answered = self._stop.answered or flag
         return flag
+
+    # -- metrics --------------------------------------------------------------------------------
+    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, *, reduce: str | Mapping[str, str] = "mean",
+            total_steps: int | None = None, **values: Any) -> dict[str, Any]:
+        """Average (or sum: reduce="sum" or {"name": "sum"}) numbers over ranks in one small all-reduce; rank 0
+        appends them to <log_dir>/metrics.jsonl and TensorBoard and advances its progress bar (ETA from
+        `total_steps`, remembered once given). Names that are not identifiers go in `metrics` ({"val/acc": a}).
+        Collective: every rank calls it at the same steps with the same names. Returns the record written."""
+        with self._watch.op_scope("log"):
+            return self._metrics.log(step, {**(metrics or {}), **values}, reduce, total_steps, self.step.count,
+                                     self._global_batch)
+
+    def _log_sum(self, vector: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce(vector, op="sum", device=self.device)
+
+    @property
+    def log_dir(self) -> Path:
+        """Where rank 0 writes `run.log`'s metrics.jsonl and TensorBoard files (`setup(log_dir=...)`)."""
+        return self._metrics.folder
 
     @property
     def logger(self) -> logging.Logger:
@@ -187,7 +221,8 @@ class Run:
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
             kwargs.setdefault("flush", True)
-            builtins.print(*args, **kwargs)
+            with self._metrics.outside():  # above the progress bar, if one is shown
+                builtins.print(*args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _root(self, path: str | Path | None) -> Path:
@@ -225,12 +260,14 @@ class Run:
                                     unwrap=self.strategy.unwrap, map_location=self.device, verified=not one)
         self.step.restore(int(extra.get("micro", 0)))
         self._saves = int(extra.get("step", -1)) + 1  # unnamed saves continue the numbering
+        self._metrics.start(int(extra.get("step", 0)), self.step.count)  # the logs continue from this step
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.print(f"paratrain: resumed from {target}")
         return True
 
     def close(self) -> None:
+        self._metrics.close()
         self._watch.stop()
         self._stop.uninstall()
         runtime.destroy_process_group()

@@ -91,6 +91,8 @@ class ShardedLoader:
         self.epoch = 0
         self.consumed = 0
         """Samples of the current epoch (global count, all replicas) already handed out."""
+        self.timing: Any = None
+        """A run's step breakdown (observe.Breakdown) that times the wait for each batch while profiling."""
 
     @property
     def global_batch(self) -> int:
@@ -137,7 +139,8 @@ class ShardedLoader:
             generator=generator,
             prefetch_factor=src.prefetch_factor if src.num_workers > 0 else None,
         )
-        for batch, (_, end) in zip(loader, plan):
+        batches = loader if self.timing is None else self.timing.batches(loader)
+        for batch, (_, end) in zip(batches, plan):
             if not self.evaluation:
                 self.consumed = end
             yield batch
