@@ -1,20 +1,23 @@
 """`paratrain bench`: the plan (what runs, what is reported not applicable and why), the results.json
-contract, the plots, and two end-to-end runs of the CLI on the toy workload (one that measures single,
-ddp and pp with their hand-written references, one whose model fails). No timing is asserted."""
+contract, the plots, the gpt workload (deterministic build, FLOP count against the formula, the hand-cut
+tied weight), and end-to-end runs of the CLI: the toy workload (single, ddp and pp with their hand-written
+references), a model that fails, and the tiny gpt with tokens/s and MFU. No timing is asserted."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import paratrain
 
 from paratrain import strategies
-from paratrain.bench import jobs, plots, report, schema, workloads
+from paratrain.bench import gpt, jobs, mfu, plots, references, report, schema, workloads
 from paratrain.cli import main as cli_main
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -82,6 +85,12 @@ def test_bad_flags_fail_fast_naming_the_fix(capsys: pytest.CaptureFixture[str]) 
     assert "--steps must be >= 1" in capsys.readouterr().err
     assert cli_main(["bench", "--model", "no_such_module_here:make"]) == 2
     assert "cannot load" in capsys.readouterr().err
+    assert cli_main(["bench", "--workload", "mlp", "--gpt-size", "tiny"]) == 2
+    assert "--gpt-size tiny applies to --workload gpt" in capsys.readouterr().err
+
+
+TOKENS, FLOPS, PEAK = 16, 8e9, 1e10
+"""The fake results' workload: 16 tokens per sample, 8 GFLOP per step, devices of 10 GFLOP/s."""
 
 
 def _fake_results() -> dict[str, Any]:
@@ -97,9 +106,14 @@ def _fake_results() -> dict[str, Any]:
             run("no-comm", 2, [0.5, 0.5, 0.5]), run("ddp", 4, [0.3, 0.3, 0.3]), run("torch-ddp", 4, [0.3, 0.3, 0.3])]
     runs += [run(s, 2, [t, t], m) for m, t in ((1, 1.0), (2, 0.8), (4, 0.7)) for s in ("pp", "torch-pipelining")]
     runs.append(schema.record(jobs.Spec("dp", 1), "not-applicable", "needs GPUs", 1.0))
+    peak = mfu.Peak(flops_per_s=PEAK, dtype="fp32", source="measured", per_worker=[PEAK, PEAK])
     return {"schema": schema.SCHEMA, "created": schema.now(), "command": "paratrain bench", "paratrain": {},
-            "machine": schema.machine(), "workload": {"name": "toy"}, "global_batch": 8, "settings": {},
-            "runs": schema.finalise(runs, 8)}
+            "machine": {**schema.machine(), "peak": peak.as_dict()},
+            "workload": {"name": "toy", "description": "toy", "parameters": 1, "tokens_per_sample": TOKENS,
+                         "flops_per_step": FLOPS, "flops_method": "given"},
+            "global_batch": 8, "settings": {},
+            "runs": schema.finalise(runs, 8, tokens_per_sample=TOKENS, flops_per_step=int(FLOPS),
+                                    peak_flops_per_s=PEAK)}
 
 
 def test_finalise_derives_medians_speedups_bounds_and_reference_ratios() -> None:
@@ -112,11 +126,39 @@ def test_finalise_derives_medians_speedups_bounds_and_reference_ratios() -> None
     assert ddp["speedup_vs_single"] == pytest.approx(1.0 / 0.55, rel=1e-3)
     assert ddp["scaling_efficiency"] == pytest.approx(1.0 / 0.55 / 2, rel=1e-3)
     assert ddp["vs_reference"] == pytest.approx(1.1) and ddp["reference"] == "torch-ddp"
+    assert ddp["tokens_per_s"] == pytest.approx(8 * TOKENS / 0.55, rel=1e-3)
+    assert ddp["mfu"] == pytest.approx(FLOPS / 0.55 / (PEAK * 2), rel=1e-3)  # two workers: twice the peak
     assert runs[("pp", 2, 4)]["bound"] == pytest.approx(2 * 4 / 5)  # K*M/(M+K-1)
     assert runs[("dp", 1, None)]["median_step_s"] is None and runs[("dp", 1, None)]["reason"] == "needs GPUs"
+    assert runs[("dp", 1, None)]["tokens_per_s"] is None and runs[("dp", 1, None)]["mfu"] is None
     lines = report.comparisons(typed["runs"])
     assert any("ddp on 2 worker(s): 1.100 x torch-ddp" in line for line in lines)
     assert "not-applicable" in report.table(typed["runs"]) and "| dp |" in report.markdown(typed["runs"])
+    assert "| tokens/s | MFU |" in report.markdown(typed["runs"]) and "72.7%" in report.table(typed["runs"])
+
+
+def test_schema_reads_version_1_and_requires_version_2_fields() -> None:
+    current = schema.as_json(_fake_results())
+    old = json.loads(json.dumps(current))
+    old["schema"] = "paratrain-bench/1"
+    for run in old["runs"]:
+        del run["tokens_per_s"], run["mfu"]
+    typed = schema.from_json(old)["runs"]  # version 1 still reads: the new fields are null
+    assert typed[1].median == 0.55 and typed[1].mfu is None and typed[1].tokens_per_s is None
+    with pytest.raises(ValueError, match="expected 'paratrain-bench/2'"):
+        schema.validate(old)
+    with pytest.raises(ValueError, match="this paratrain reads"):
+        schema.from_json({**old, "schema": "paratrain-bench/9"})
+    broken = json.loads(json.dumps(current))
+    broken["runs"][0]["tokens_per_s"] = None
+    broken["runs"][1]["mfu"] = 0.0
+    del broken["machine"]["peak"]["source"], broken["workload"]["flops_method"]
+    with pytest.raises(ValueError) as err:
+        schema.validate(broken)
+    text = str(err.value)
+    for expected in ("runs[0]: tokens_per_s must be a positive number", "runs[1]: mfu must be a positive number",
+                     "machine.peak has no 'source'", "workload has no 'flops_method'"):
+        assert expected in text
 
 
 def test_schema_names_every_broken_field() -> None:
@@ -137,7 +179,8 @@ def test_schema_names_every_broken_field() -> None:
 
 def test_plots_bar_chart_microbatch_curve_and_scaling(tmp_path: Path) -> None:
     written = plots.write_all(_fake_results(), tmp_path)
-    assert sorted(p.name for p in written) == ["microbatch_tradeoff.png", "scaling.png", "strategy_times.png"]
+    assert sorted(p.name for p in written) == ["microbatch_tradeoff.png", "scaling.png", "strategy_times.png",
+                                               "throughput.png"]
     for path in written:
         _png(path)
 
@@ -163,6 +206,83 @@ def test_user_factory_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(Exception, match="must return"):
         workloads.get("my_models:wrong")
     sys.modules.pop("my_models", None)
+
+
+def test_gpt_builds_deterministically_with_its_tie_and_synthetic_next_tokens() -> None:
+    w = workloads.get("gpt", gpt_size="tiny")
+    torch.manual_seed(0)
+    first = w.model()
+    torch.manual_seed(0)
+    second = w.model()
+    assert isinstance(first, gpt.GPT) and first.head.proj.weight is first.embed.tok.weight  # tied
+    assert first.state_dict().keys() == second.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    x, y = w.data(8)
+    x2, _ = w.data(8)
+    cfg = gpt.SIZES["tiny"]
+    assert x.shape == y.shape == (8, cfg.seq) and x.dtype == torch.int64 and torch.equal(x, x2)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the next tokens
+    assert w.tokens == cfg.seq and workloads.get("gpt").description.startswith("GPT decoder 'mini'")
+    assert workloads.get("gpt", gpu=True).batch * gpt.SIZES["gpt2"].seq == 8192  # GPT-2 small on GPUs
+    loss = w.loss()(first(x), y)
+    assert abs(loss.item() - math.log(cfg.vocab)) < 0.1  # GPT-2's small init: about uniform at the start
+
+
+@pytest.mark.parametrize("size,batch", [("tiny", 8), ("mini", 4), ("gpt2", 2)])
+def test_counted_flops_match_6N_plus_attention(size: str, batch: int) -> None:
+    """FlopCounterMode on meta gives the formula 6 N + 12 L T d per token to within 0.1% (exactly, in
+    fact: both count matrix products only, attention over the full T x T, backward twice the forward)."""
+    w = workloads.get("gpt", gpt_size=size)
+    with torch.device("meta"):  # GPT-2 small in a blink: no weights are initialised for real
+        model = w.model()
+    counted = mfu.count_step_flops(w, batch, model)
+    cfg = gpt.SIZES[size]
+    assert counted.total == pytest.approx(gpt.flops_per_token(cfg) * batch * cfg.seq, rel=1e-3), counted.method
+    assert counted.kind == "matmul" and "FlopCounterMode" in counted.method
+
+
+def test_gpu_peaks_come_from_the_datasheet_table_by_name_and_dtype() -> None:
+    h100 = mfu.gpu_peak("NVIDIA H100 80GB HBM3", "bf16", "matmul")
+    assert h100.flops_per_s == pytest.approx(989.4e12) and h100.dtype == "bf16" and "SXM5" in h100.source
+    assert mfu.gpu_peak("NVIDIA H100 PCIe", "bf16", "matmul").flops_per_s == pytest.approx(756e12)
+    assert mfu.gpu_peak("NVIDIA H200", "16", "matmul").flops_per_s == pytest.approx(989.4e12)
+    # float32: PyTorch runs matrix products in fp32 unless TF32 is allowed, convolutions in TF32 by default
+    fp32 = mfu.gpu_peak("NVIDIA H100 80GB HBM3", "32", "matmul")
+    dtype, tflops = ("tf32", 494.7) if torch.backends.cuda.matmul.allow_tf32 else ("fp32", 66.9)
+    assert fp32.dtype == dtype and fp32.flops_per_s == pytest.approx(tflops * 1e12)
+    assert mfu.gpu_peak("NVIDIA A100-SXM4-80GB", "32", "convolution").dtype == (
+        "tf32" if torch.backends.cudnn.allow_tf32 else "fp32")
+    unknown = mfu.gpu_peak("Some GPU 9000", "bf16", "matmul")
+    assert unknown.flops_per_s is None and "no datasheet figure" in unknown.source
+
+
+def test_hand_cut_gpt_keeps_the_tied_weight_exact() -> None:
+    """Cut in two, the tied weight sits on both stages; the copies' summed gradients (what the references
+    do across devices or ranks) equal the tied model's gradient, and one SGD step keeps them equal."""
+    w = workloads.get("gpt", gpt_size="tiny")
+    x, y = w.data(8)
+    torch.manual_seed(0)
+    whole = w.model()
+    w.loss()(whole(x), y).backward()
+    torch.manual_seed(0)
+    pieces = references.cut(w.model(), 2, w.split, w.layers)
+    assert [type(m).__name__ for m in pieces[0]] == ["Embedding", "Block"]
+    assert [type(m).__name__ for m in pieces[1]] == ["Block", "Head"]
+    shared = references.shared_across(pieces)
+    assert [(owners, [p.shape for p in ps]) for owners, ps in shared] == [((0, 1), [whole.embed.tok.weight.shape])]
+    pairs = references.untie(pieces[0], pieces[1])
+    assert pairs == [("0.tok.weight", "1.proj.weight")] and not references.shared_across(pieces)
+    w.loss()(pieces[1](pieces[0](x)), y).backward()
+    references.sum_tied_grads(pieces[0], pieces[1], pairs)
+    first, second = pieces[0].get_parameter("0.tok.weight"), pieces[1].get_parameter("1.proj.weight")
+    assert first.grad is not None and second.grad is not None and whole.embed.tok.weight.grad is not None
+    torch.testing.assert_close(first.grad, whole.embed.tok.weight.grad)
+    torch.testing.assert_close(second.grad, whole.embed.tok.weight.grad)
+    params = [*pieces[0].parameters(), *pieces[1].parameters()]
+    torch.optim.SGD(params, lr=0.1).step()
+    torch.optim.SGD(whole.parameters(), lr=0.1).step()
+    torch.testing.assert_close(first, second)
+    torch.testing.assert_close(first.detach(), whole.embed.tok.weight.detach())
 
 
 # -- tier 4: the CLI end to end on real workers --------------------------------------------------------
@@ -221,6 +341,39 @@ def test_a_failing_model_is_reported_failed_with_its_error(tmp_path: Path) -> No
 
 
 def _env(path: Path) -> dict[str, str]:
+    import os
+
     from helpers import cli_env
 
-    return cli_env(PYTHONPATH=str(path))
+    return cli_env(PYTHONPATH=os.pathsep.join([str(path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
+    """The tiny gpt on single, ddp and pp (2 micro-batches), 2 CPU workers: valid results.json with the
+    counted FLOPs and each worker's measured peak; every ok run has tokens/s and an MFU in (0, 1]; the
+    references and the data-parallel runs are ok; paratrain's pp is ok or carries its reason. (torch-pipeline,
+    beside mp, runs the same hand cut in one process; test_hand_cut_gpt_keeps_the_tied_weight_exact covers it.)"""
+    out = tmp_path / "bench"
+    proc = paratrain("bench", "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp",
+                     "--workers", "2", "--microbatches", "2", "--steps", "2", "--repeat", "1", "--warmup", "0",
+                     "--timeout", "150", "--out", str(out), timeout=240)
+    results = json.loads((out / "results.json").read_text())
+    schema.validate(results)
+    cfg = gpt.SIZES["tiny"]
+    assert results["schema"] == "paratrain-bench/2" and results["settings"]["gpt_size"] == "tiny"
+    assert results["workload"]["tokens_per_sample"] == cfg.seq
+    assert results["workload"]["flops_per_step"] == gpt.flops_per_token(cfg) * 8 * cfg.seq
+    peak = results["machine"]["peak"]
+    assert peak["dtype"] == "fp32" and len(peak["per_worker"]) == 2 and peak["flops_per_s"] > 0
+    runs = {(r["strategy"], r["workers"], r["microbatches"]): r for r in results["runs"]}
+    assert set(runs) == {("single", 1, None), ("ddp", 2, None), ("torch-ddp", 2, None), ("no-comm", 2, None),
+                         ("pp", 2, 2), ("torch-pipelining", 2, 2)}
+    for key, run in runs.items():
+        if run["status"] == "ok":
+            assert run["tokens_per_s"] > 0 and 0 < run["mfu"] <= 1, run
+            assert run["tokens_per_s"] == pytest.approx(run["samples_per_s"] * cfg.seq, rel=1e-3)
+        else:
+            assert key[0] == "pp" and run["reason"], run  # only paratrain's pipeline may not split a GPT yet
+    assert proc.returncode == (1 if any(r["status"] == "failed" for r in runs.values()) else 0), proc.stdout[-4000:]
+    assert "model FLOPs:" in proc.stdout and "| tokens/s | MFU |" in (out / "table.md").read_text()
+    _png(out / "throughput.png")

@@ -69,6 +69,18 @@ def test_position_resumes_mid_epoch() -> None:
     assert sorted(sum(first + rest, [])) == list(range(40))
 
 
+def test_set_epoch_in_the_loop_changes_nothing_and_moves_to_another_epoch() -> None:
+    plain, called = _loaders(30, 2, 3), _loaders(30, 2, 3)
+    for epoch in range(3):
+        for loader in called:
+            loader.sampler.set_epoch(epoch)  # the tutorials' call each epoch: the epoch the loader is in
+        assert _epoch(called) == _epoch(plain)
+    for loader in called:
+        loader.set_epoch(7)
+    assert _epoch(called) != _epoch(plain)
+    assert all(x.epoch == 8 for x in called)
+
+
 def test_dataset_smaller_than_world_is_rejected() -> None:
     with pytest.raises(ParatrainError, match="at least one each"):
         _loaders(2, 1, 3)

@@ -7,6 +7,7 @@ import builtins
 import contextlib
 import logging
 import random
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,12 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint, collectives, runtime, strategies
 from .config import Config, make_config
-from .data import ShardedLoader
+from .data import ShardedLoader, claim_weight
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
 from .observe import Breakdown, MetricLog
-from .parallel.randomness import apply_layout_dropout, set_seed
+from .parallel.microbatch import batch_size
+from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
 from .precision import apply_autocast, make_scaler
 from .step import PreparedOptimizer, Step, rebind
 from .strategies.base import Context, LossFn, Strategy
@@ -40,6 +42,8 @@ class Run:
         self._stop = stop
         self._stop_seen: tuple[int, bool] | None = None
         self._saves = 0
+        self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
+        """Training loaders: the batch the latest one yielded sets how much the next micro-step's loss counts."""
         self.timing = Breakdown(ctx.device, enabled=config.profile)
         """The per-rank step breakdown (`setup(profile=True)` or `paratrain.profile(run)`); see observe/breakdown.py."""
         _, replicas = strategy.data_shard(ctx)
@@ -109,14 +113,18 @@ class Run:
         return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase)
 
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
-        """Shard `loader` over data-parallel replicas (its batch_size is per worker). With evaluation=True each
-        sample goes to exactly one rank and none is repeated, so all-reduced sums are exact."""
+        """Shard `loader` over data-parallel replicas (its batch_size is per worker), honouring its sampler and
+        loading options or refusing them by name. With evaluation=True each sample goes to exactly one rank and
+        none is repeated, so all-reduced sums are exact. Collective when the loader has a custom sampler."""
         replica, replicas = self.strategy.data_shard(self.ctx)
-        sharded = ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation)
-        sharded.timing = self.timing
+        prepared = ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation,
+                                 grad_accum=self.config.grad_accum, equal_shares=self.strategy.scheduled,
+                                 device=self.device)
+        prepared.timing = self.timing
         if not evaluation:
-            self._global_batch = sharded.global_batch  # for run.log's samples/s
-        return sharded
+            self._loaders.add(prepared)
+            self._global_batch = prepared.global_batch  # for run.log's samples/s
+        return prepared
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper (for state dicts and evaluation)."""
@@ -134,17 +142,26 @@ class Run:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Ends a micro-step the user's loop ran `model(x)` for: backward with accumulation and fp16 loss
-        scaling; gradients are synchronised only on the last micro-step of a window."""
+        scaling; gradients are synchronised only on the last micro-step of a window. A short batch's loss is
+        weighted by this rank's rows (see paratrain/data/plan.py)."""
+        weight = claim_weight(self._loaders)
         with self._watch.op_scope("backward"), self.step.micro(), self.timing.micro_step():  # DDP syncs in here
-            self._scaled_backward(loss)
+            self._scaled_backward(loss if weight.loss == 1.0 else loss * weight.loss)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank.
+        """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank
+        (weighted by rows when the batch is split unevenly, through the loss function every strategy calls).
         Under torch.no_grad() nothing is trained: it is `evaluate(model, inputs, targets, loss_fn)`."""
         if not torch.is_grad_enabled():
             return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
+        weight = claim_weight(self._loaders)
+        if not self._loaders:  # no sharded loader says where this rank's rows start in the global batch
+            replica, _ = self.strategy.data_shard(self.ctx)
+            set_rows_before(replica * batch_size(inputs))
         with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
-            return self.strategy.forward_backward(model, inputs, targets, loss_fn, self._scaled_backward, self.ctx)
+            loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
+                                                  self.ctx)
+        return loss if weight.window == 1.0 else loss / weight.window
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None) -> Any:
         """A batch's outputs, or given `targets` and `loss_fn` its mean loss over every rank's rows, without

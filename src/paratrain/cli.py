@@ -35,6 +35,48 @@ def _bench(ns: argparse.Namespace) -> int:
     return bench_main(ns)
 
 
+def _plan(ns: argparse.Namespace) -> int:
+    from .planner.command import PlanRequest, main
+
+    request = PlanRequest(
+        workload=ns.model or ns.workload, global_batch=ns.global_batch, cluster=ns.cluster, devices=ns.devices,
+        precision=ns.precision,
+        optimizer=ns.optimizer, top=ns.top, out=ns.out, validate=ns.validate,
+        strategies=tuple(s.strip() for s in ns.strategies.split(",") if s.strip()), steps=ns.steps,
+        warmup=ns.warmup, repeat=ns.repeat, timeout_s=ns.timeout,
+        layouts=[s.strip() for s in ns.layouts.split(";") if s.strip()] if ns.layouts else [],
+        command="paratrain " + " ".join(sys.argv[1:]),
+    )
+    return main(request)
+
+
+def _plan_parser(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--workload", default="mlp",
+                       help="a bench workload measured here (toy, mlp, convnet, resnet50) or an analytic GPT "
+                            "(gpt-1.7b, gpt-3.6b, gpt-5b, gpt-7.5b)")
+    which.add_argument("--model", default=None, metavar="MODULE:FACTORY",
+                       help="your model: factory(batch_size) -> (model, inputs, targets[, loss_fn])")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step (default: the workload's)")
+    p.add_argument("--cluster", default="local",
+                   help="local (this machine, measured), h100-nvlink, h100-ib, or a YAML/JSON spec file")
+    p.add_argument("--devices", type=int, default=None, help="plan for this many of the cluster's devices")
+    p.add_argument("--precision", default="32", choices=["32", "bf16", "16"])
+    p.add_argument("--optimizer", default="adam", choices=["adam", "momentum", "sgd"])
+    p.add_argument("--strategies", default="single,ddp,fsdp,pp,ddp+pp,mp", help="strategies to consider")
+    p.add_argument("--top", type=int, default=10, help="layouts to show (all go to plan.json)")
+    p.add_argument("--out", default=None, help="directory for plan.json, the scaling plot and validation.json")
+    p.add_argument("--validate", action="store_true",
+                   help="also run every layout this machine holds and print predicted vs measured")
+    p.add_argument("--layouts", default=None, help="--validate only these layouts, ';'-separated labels")
+    p.add_argument("--steps", type=int, default=5, help="--validate: timed steps per repeat")
+    p.add_argument("--warmup", type=int, default=2, help="--validate: untimed steps first")
+    p.add_argument("--repeat", type=int, default=2, help="--validate: timed blocks per layout")
+    p.add_argument("--timeout", type=float, default=600.0, help="--validate: seconds one layout may take")
+    p.set_defaults(func=_plan)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description="Run and measure PyTorch training under any strategy.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -70,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure every strategy on a workload and write results.json and plots")
     add_arguments(b)
     b.set_defaults(func=_bench)
+
+    _plan_parser(sub.add_parser("plan", help="predict every layout's step time and memory; --validate measures them"))
     return p
 
 

@@ -140,11 +140,14 @@ def _untimed(phase: str) -> AbstractContextManager[Any]:
 def rebind(optimizer: torch.optim.Optimizer, before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:
     """Point an optimizer built on the user's model at the parameters the strategy put in their place.
 
-    Sharding (FSDP2) swaps parameters for new DTensor ones, and a pipeline stage keeps only its own
-    layers; matching by parameter name keeps the user's "build the optimizer, then prepare" order.
+    Sharding (FSDP2) swaps parameters for new DTensor ones, matched by name; a pipeline stage keeps only
+    its own layers, the same objects (a tied weight perhaps under its other name). This keeps the user's
+    "build the optimizer, then prepare" order.
     Runs once, inside `prepare`; parameters this rank does not hold are dropped from the optimizer.
     """
-    new_for = {id(p): after[name] for name, p in before.items() if name in after}
+    kept = {id(p) for p in after.values()}  # a pipeline stage keeps the very objects, maybe under another name
+    new_for = {id(p): p if id(p) in kept else after[name]
+               for name, p in before.items() if id(p) in kept or name in after}
     if all(new_for.get(id(p)) is p for group in optimizer.param_groups for p in group["params"]):
         return
     for group in optimizer.param_groups:

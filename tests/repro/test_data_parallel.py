@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import zoo
 from torch import nn
@@ -39,9 +38,9 @@ def _save_to(path: Path) -> loop.After:
     return save
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: fsdp on blocks in an nn.ModuleList fails with torch's raw "
-                   "'fully_shard does not support containers that do not implement forward'")
 def test_fsdp_on_modulelist_blocks_trains_or_names_them() -> None:
+    """Finding 6 (fixed; was: fsdp on blocks in an nn.ModuleList fails with torch's raw 'fully_shard does not support
+    containers that do not implement forward')."""
     case = zoo.MODELS["llama"]
     matches_or_refuses(
         lambda: paratrain.launch(loop.train, case.name, "fsdp", sharded=True, form="backward", nproc=2, timeout=60,
@@ -49,9 +48,9 @@ def test_fsdp_on_modulelist_blocks_trains_or_names_them() -> None:
         reference(case), case.tolerances["fp32"], names=["blocks"])
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: fsdp on a tied head fails with torch's raw 'Parameter ... is "
-                   "shared with a parameter already managed by another FSDP group'")
 def test_fsdp_on_tied_weights_trains_or_names_them() -> None:
+    """Finding 6 (fixed; was: fsdp on a tied head fails with torch's raw 'Parameter ... is shared with a parameter
+    already managed by another FSDP group')."""
     case = zoo.MODELS["tied_seq"]  # nn.Sequential: the tie is the only hurdle
     matches_or_refuses(
         lambda: paratrain.launch(loop.train, case.name, "fsdp", sharded=True, form="backward", nproc=2, timeout=60,
@@ -59,9 +58,9 @@ def test_fsdp_on_tied_weights_trains_or_names_them() -> None:
         reference(case), case.tolerances["fp32"], names=["0.weight", "5.weight"])
 
 
-@pytest.mark.xfail(strict=True, reason="finding 9: the short last global batch (4 rows over 3 ranks) averages "
-                   "per-rank mean losses instead of weighting rows, so ddp with 3 workers leaves plain PyTorch")
 def test_uneven_last_batch_weighs_rows_equally() -> None:
+    """Finding 9 (fixed; was: the short last global batch (4 rows over 3 ranks) averages per-rank mean losses instead
+    of weighting rows, so ddp with 3 workers leaves plain PyTorch)."""
     """100 samples, global batch 12, shuffle, 2 epochs: every step's global batch (the union of the rows the
     ranks got, in rank order) replayed in plain PyTorch gives the same losses and weights."""
     case = zoo.MODELS["mlp"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
@@ -33,9 +32,9 @@ def _epochs(sampler: Sampler[int] | DistributedSampler[int], epochs: int = 2) ->
         run.close()
 
 
-@pytest.mark.xfail(strict=True, reason="finding 7: prepare_loader drops a DistributedSampler and its shuffling "
-                   "silently, and loader.sampler.set_epoch raises AttributeError")
 def test_distributed_sampler_is_honoured_or_refused() -> None:
+    """Finding 7 (fixed; was: prepare_loader drops a DistributedSampler and its shuffling silently, and
+    loader.sampler.set_epoch raises AttributeError)."""
     data = TensorDataset(torch.arange(ROWS))
     sampler: DistributedSampler[int] = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
     try:
@@ -58,9 +57,9 @@ class Reversed(Sampler[int]):
         return ROWS
 
 
-@pytest.mark.xfail(strict=True, reason="finding 7: prepare_loader drops a custom sampler silently and serves the "
-                   "samples in dataset order")
 def test_custom_sampler_is_honoured_or_refused() -> None:
+    """Finding 7 (fixed; was: prepare_loader drops a custom sampler silently and serves the samples in dataset
+    order)."""
     try:
         orders = _epochs(Reversed())
     except paratrain.ParatrainError as exc:

@@ -15,7 +15,7 @@ PRECISIONS = ("32", "bf16", "16")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--workload", default="mlp", help="toy, mlp (default), convnet or resnet50")
+    which.add_argument("--workload", default="mlp", help="toy, mlp (default), convnet, resnet50 or gpt")
     which.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                        help="your model: factory(batch_size) -> (model, inputs, targets[, loss_fn])")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="32", choices=PRECISIONS)
     p.add_argument("--channels-last", action="store_true", help="channels-last memory format (image models)")
     p.add_argument("--image-size", type=int, default=None, help="image side for convnet / resnet50")
+    p.add_argument("--gpt-size", default=None, choices=("tiny", "mini", "gpt2"),
+                   help="size of the gpt workload: tiny (tests), mini (default on CPU), gpt2 (GPT-2 small, "
+                        "default on GPUs)")
     p.add_argument("--no-reference", action="store_true", help="skip the hand-written PyTorch references")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one job (one worker launch) may take")
     p.add_argument("--out", default="results/bench", help="directory for results.json, table.md and plots")
@@ -52,6 +55,7 @@ def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
     parts += [f"--precision {settings.precision}"] if settings.precision != "32" else []
     parts += ["--channels-last"] if settings.channels_last else []
     parts += [f"--image-size {settings.image}"] if settings.image else []
+    parts += [f"--gpt-size {settings.gpt_size}"] if settings.gpt_size else []
     parts += ["--no-reference"] if ns.no_reference else []
     return " ".join(parts + [f"--out {ns.out}"])
 
@@ -59,15 +63,15 @@ def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
 def main(ns: argparse.Namespace) -> int:
     from ..runtime import cuda_count
     from . import jobs as planning
-    from . import report, runner, schema, workloads
+    from . import mfu, report, runner, schema, workloads
 
     gpus = cuda_count()
     names = planning.parse_strategies(ns.strategies)
     workers = planning.parse_counts(ns.workers, "--workers") if ns.workers else [gpus or 2]
     microbatches = planning.parse_microbatches(ns.microbatches)
-    workload = workloads.get(ns.model or ns.workload, image=ns.image_size, gpu=gpus > 0)
+    workload = workloads.get(ns.model or ns.workload, image=ns.image_size, gpu=gpus > 0, gpt_size=ns.gpt_size)
     settings = planning.Settings(
-        workload=ns.model or ns.workload, image=ns.image_size, gpus=gpus,
+        workload=ns.model or ns.workload, image=ns.image_size, gpt_size=ns.gpt_size, gpus=gpus,
         batch=_positive(ns.batch_size, workload.batch, "--batch-size"),
         steps=_positive(ns.steps, workload.steps, "--steps"),
         warmup=_positive(ns.warmup, workload.warmup, "--warmup", minimum=0),
@@ -76,35 +80,58 @@ def main(ns: argparse.Namespace) -> int:
     )
     jobs = planning.build(names, workers, microbatches, settings, references=not ns.no_reference)
     model = workload.model()
+    parameters = workloads.parameters(model)
+    flops = mfu.count_step_flops(workload, settings.batch, model)
+    del model
+    machine = schema.machine()
+    if gpus:
+        peak = mfu.gpu_peak(machine["gpus"][0], settings.precision, flops.kind)
+    elif flops.total:
+        peak = mfu.cpu_peak(min(max(workers), machine["cores"] or 1), settings.precision)
+    else:
+        peak = mfu.Peak(flops_per_s=None, dtype=mfu.DTYPE_NAMES[settings.precision],
+                        source="not measured: the step's FLOPs were not counted, so there is no MFU")
     results: dict[str, Any] = {
         "schema": schema.SCHEMA, "created": schema.now(), "command": _command(ns, settings, workers),
-        "paratrain": {"version": _version(), "commit": schema.commit()}, "machine": schema.machine(),
-        "workload": {"name": workload.name, "description": workload.description,
-                     "parameters": workloads.parameters(model), "lr": workload.lr},
+        "paratrain": {"version": _version(), "commit": schema.commit()},
+        "machine": {**machine, "peak": peak.as_dict()},
+        "workload": {"name": workload.name, "description": workload.description, "parameters": parameters,
+                     "lr": workload.lr, "tokens_per_sample": workload.tokens, "flops_per_step": flops.total,
+                     "flops_method": flops.method},
         "global_batch": settings.batch,
         "settings": {"steps": settings.steps, "warmup": settings.warmup, "repeat": settings.repeat,
                      "schedule": settings.schedule, "precision": settings.precision,
-                     "channels_last": settings.channels_last},
+                     "channels_last": settings.channels_last, "gpt_size": settings.gpt_size},
         "runs": [],
     }
-    del model
     m = results["machine"]
     where = f"{gpus} GPU(s): {', '.join(m['gpus'])}" if gpus else f"CPU workers (one thread each), {m['cores']} cores"
     print(f"paratrain bench: {workload.name} ({workload.description}), "
-          f"{results['workload']['parameters'] / 1e6:.1f} M parameters, global batch {settings.batch}; {where}",
-          flush=True)
+          f"{parameters / 1e6:.1f} M parameters, global batch {settings.batch}; {where}", flush=True)
+    counted = f"{flops.total / 1e9:.3g} GFLOP per step" if flops.total else flops.method
+    rate = f"{peak.flops_per_s / 1e9:.4g} GFLOP/s per device" if peak.flops_per_s else "unknown"
+    print(f"  model FLOPs: {counted}; peak: {rate} ({peak.source})", flush=True)
     print(f"  {len(jobs.jobs)} job(s); {results['command']}", flush=True)
-    print(report.header(), flush=True)
+    cols = report.columns(tokens=workload.tokens is not None, mfu=bool(flops.total and peak.flops_per_s))
+    print(report.header(cols), flush=True)
     runs: list[schema.RunRecord] = []
+
+    def finalise() -> list[schema.RunRecord]:
+        return schema.finalise(runs, settings.batch, tokens_per_sample=workload.tokens,
+                               flops_per_step=flops.total, peak_flops_per_s=peak.flops_per_s)
 
     def show(new: list[schema.RunRecord]) -> None:
         runs.extend(new)
-        schema.finalise(runs, settings.batch)
-        print("\n".join(report.row(r) for r in new), flush=True)
+        finalise()
+        print("\n".join(report.row(r, cols) for r in new), flush=True)
 
     runner.run_jobs(jobs, settings, ns.timeout, say=lambda text: print(text, flush=True), on_records=show)
-    results["runs"] = schema.finalise(runs, settings.batch)
+    results["runs"] = finalise()
     schema.validate(schema.as_json(results))
+    for r in results["runs"]:
+        if r.mfu is not None and r.mfu > 1:
+            print(f"warning: {r.strategy} on {r.workers} worker(s) reached MFU {r.mfu:.2f} > 1: the peak "
+                  f"({peak.source}) is below what the step achieved, so it understates this machine", flush=True)
     return _write(results, Path(ns.out))
 
 

@@ -41,6 +41,8 @@ class Settings:
 
     workload: str
     image: int | None = None
+    gpt_size: str | None = None
+    """Size of the gpt workload (None: its default for the devices)."""
     batch: int
     steps: int
     warmup: int

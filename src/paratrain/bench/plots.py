@@ -1,11 +1,13 @@
 """The tutorials' figures, from results.json: time per strategy with error bars, the micro-batch
-(`split_size`) trade-off curve, and speedup against workers when several worker counts were run.
+(`split_size`) trade-off curve, speedup against workers when several worker counts were run, and for
+token workloads tokens/s per strategy with each bar's model FLOPs utilisation.
 
 Error bars span the interquartile range of the timed steps, around the median (what the table quotes).
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,31 @@ def bar_chart(results: dict[str, Any], path: Path) -> Path:
     ax.yaxis.grid(True)
     ax.set_title(f"{_title(results)}\nblue: paratrain, orange: hand-written PyTorch, gray: no-communication "
                  "ceiling", fontsize=9)
+    return _save(fig, path)
+
+
+def throughput(results: dict[str, Any], path: Path) -> Path | None:
+    """Tokens/s per strategy (the fastest micro-batch count of each pipeline), MFU on each bar."""
+    runs = [r for r in best_per_configuration(results["runs"]) if r.tokens_per_s is not None]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
+    colors = [TORCH_COLOR if r.strategy.startswith("torch-") else
+              CEILING_COLOR if r.strategy == CEILING else PARATRAIN_COLOR for r in runs]
+    bars = ax.bar(range(len(runs)), [r.tokens_per_s or 0.0 for r in runs], align="center", alpha=0.6, width=0.6,
+                  color=colors)
+    ax.set_ylim(0, 1.12 * max(r.tokens_per_s or 0.0 for r in runs))  # room for the labels
+    for bar, r in zip(bars, runs):
+        if r.mfu is not None:
+            ax.annotate(f"MFU {100 * r.mfu:.3g}%", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens per second (median step)")
+    ax.set_xticks(range(len(runs)))
+    ax.set_xticklabels([_label(r) for r in runs], fontsize=8)
+    ax.yaxis.grid(True)
+    peak = results.get("machine", {}).get("peak") or {}
+    note = f"MFU against {peak['dtype']} peak: {peak['source']}" if peak.get("flops_per_s") else "MFU: peak unknown"
+    ax.set_title(f"{_title(results)}\n" + "\n".join(textwrap.wrap(note, 90)), fontsize=8)
     return _save(fig, path)
 
 
@@ -142,5 +169,5 @@ def write_all(results: dict[str, Any], out: Path) -> list[Path]:
     if not _ok(results["runs"]):
         return []
     made = [bar_chart(results, out / "strategy_times.png"), microbatch_curve(results, out / "microbatch_tradeoff.png"),
-            scaling(results, out / "scaling.png")]
+            scaling(results, out / "scaling.png"), throughput(results, out / "throughput.png")]
     return [p for p in made if p is not None]

@@ -9,6 +9,12 @@
 - `no-comm`: not a strategy but the machine's ceiling: the torch-ddp loop without DDP, so each worker
   computes its share and nothing is exchanged.
 
+A tied weight cut apart (GPT's token embedding, which is also its output projection, on the first and
+the last stage) is handled as a careful hand-written script does (Megatron-LM's embedding group): each
+stage keeps its own copy, the copies' gradients are summed after backward (`all_reduce` over the stages
+that hold it; in one process, added across the two devices), and the same optimizer step keeps the
+copies equal. Where both stages share one device the tie is simply kept.
+
 Nothing here imports paratrain's training API: it is the code a user would write without it.
 """
 
@@ -49,13 +55,18 @@ def _inputs(x: torch.Tensor, device: torch.device, settings: Settings) -> torch.
     return x.contiguous(memory_format=torch.channels_last) if settings.channels_last and x.dim() == 4 else x
 
 
-def cut(model: nn.Module, stages: int, split: int | None) -> list[nn.Sequential]:
-    """The model's children in `stages` consecutive groups: at the workload's hand split for two stages,
-    else equal numbers of children (the split a user writes by hand)."""
-    if not isinstance(model, nn.Sequential):
-        raise ParatrainError(f"the hand-written pipeline references cut an nn.Sequential by its children; "
-                             f"{type(model).__name__} is not one")
-    children = list(model.children())
+def cut(model: nn.Module, stages: int, split: int | None,
+        layers: Callable[[nn.Module], list[nn.Module]] | None = None) -> list[nn.Sequential]:
+    """The model's layer chain (the workload's `layers`, else an nn.Sequential's children) in `stages`
+    consecutive groups: at the workload's hand split for two stages, else equal numbers of layers (the
+    split a user writes by hand)."""
+    if layers is not None:
+        children = layers(model)
+    elif isinstance(model, nn.Sequential):
+        children = list(model.children())
+    else:
+        raise ParatrainError(f"the hand-written pipeline references cut an nn.Sequential by its children, or the "
+                             f"chain a workload's `layers` names; {type(model).__name__} is neither")
     if len(children) < stages:
         raise ParatrainError(f"{len(children)} layers cannot make {stages} pipeline stages; use fewer workers")
     bounds = [0, split, len(children)] if stages == 2 and split else \
@@ -63,8 +74,49 @@ def cut(model: nn.Module, stages: int, split: int | None) -> list[nn.Sequential]
     return [nn.Sequential(*children[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
+def shared_across(pieces: list[nn.Sequential]) -> list[tuple[tuple[int, ...], list[nn.Parameter]]]:
+    """Parameters held by more than one piece (a tied weight cut apart), grouped by the pieces holding
+    them. The order depends only on the model, so every rank finds the same groups in the same order."""
+    owners: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i, piece in enumerate(pieces):
+        for p in piece.parameters():
+            owners.setdefault(id(p), []).append(i)
+            params[id(p)] = p
+    groups: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    for key, who in owners.items():
+        if len(who) > 1:
+            groups.setdefault(tuple(who), []).append(params[key])
+    return list(groups.items())
+
+
+def untie(first: nn.Module, second: nn.Module) -> list[tuple[str, str]]:
+    """Give `second` its own copy of every parameter it shares with `first`; returns the (name in first,
+    name in second) pairs whose gradients `sum_tied_grads` must add after each backward."""
+    names = {id(p): name for name, p in first.named_parameters()}
+    pairs = []
+    for module_name, module in second.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in names:
+                setattr(module, name, nn.Parameter(p.detach().clone()))
+                pairs.append((names[id(p)], f"{module_name}.{name}" if module_name else name))
+    return pairs
+
+
+def sum_tied_grads(first: nn.Module, second: nn.Module, pairs: list[tuple[str, str]]) -> None:
+    """Both copies of each untied weight get the sum of their gradients (what the tie would have given)."""
+    for a_name, b_name in pairs:
+        a, b = first.get_parameter(a_name), second.get_parameter(b_name)
+        if a.grad is None or b.grad is None:
+            raise RuntimeError(f"tied weight {a_name} / {b_name} has no gradient on one side after backward")
+        total = a.grad + b.grad.to(a.device)
+        a.grad.copy_(total)
+        b.grad.copy_(total.to(b.device))
+
+
 def _loop(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: nn.Module,
-          optimizer: optim.Optimizer, device: torch.device, precision: str) -> Step:
+          optimizer: optim.Optimizer, device: torch.device, precision: str,
+          after_backward: Callable[[], None] | None = None) -> Step:
     scaler = torch.amp.GradScaler(device.type) if precision == "16" else None
 
     def step() -> None:
@@ -74,9 +126,13 @@ def _loop(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_fn:
             loss = loss_fn(outputs, labels.to(outputs.device))
         if scaler is None:
             loss.backward()
+            if after_backward is not None:
+                after_backward()
             optimizer.step()
         else:
             scaler.scale(loss).backward()
+            if after_backward is not None:
+                after_backward()
             scaler.step(optimizer)
             scaler.update()
 
@@ -132,12 +188,14 @@ class PipelineParallel(nn.Module):
 def torch_pipeline(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
     assert spec.devices is not None and spec.microbatches is not None
     dev1, dev2 = spec.devices[0], spec.devices[-1]
-    seq1, seq2 = cut(_model(workload, settings), 2, workload.split)
+    seq1, seq2 = cut(_model(workload, settings), 2, workload.split, workload.layers)
+    tied = untie(seq1, seq2) if torch.device(dev1) != torch.device(dev2) else []  # one device: the tie stays
     model = PipelineParallel(seq1, seq2, dev1, dev2, split_size=settings.batch // spec.microbatches)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
     inputs = _inputs(data[0], torch.device(dev1), settings)
     labels = data[1].to(dev2)
-    return _loop(model, inputs, labels, workload.loss(), optimizer, torch.device(dev2), settings.precision)
+    return _loop(model, inputs, labels, workload.loss(), optimizer, torch.device(dev2), settings.precision,
+                 after_backward=(lambda: sum_tied_grads(model.seq1, model.seq2, tied)) if tied else None)
 
 
 class _Autocast(nn.Module):
@@ -158,7 +216,14 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
 
     assert spec.microbatches is not None
     rank, stages = dist.get_rank(), dist.get_world_size()
-    part: nn.Module = cut(_model(workload, settings), stages, workload.split)[rank].to(device)
+    pieces = cut(_model(workload, settings), stages, workload.split, workload.layers)
+    tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
+    for owners, shared in shared_across(pieces):
+        group = dist.new_group(list(owners))  # every rank creates every group, in the same order
+        if rank in owners:
+            assert isinstance(group, dist.ProcessGroup)
+            tied.append((group, shared))
+    part: nn.Module = pieces[rank].to(device)
     if settings.precision in _DTYPES:
         part = _Autocast(part, device, settings.precision)
     stage = PipelineStage(part, rank, stages, device)
@@ -179,6 +244,11 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
             schedule.step(target=labels, losses=losses)
         else:
             schedule.step()
+        for group, shared in tied:  # the copies of a tied weight on different stages: sum their gradients
+            for p in shared:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
         if optimizer is not None:
             optimizer.step()
 

@@ -8,7 +8,9 @@ from typing import Any
 from .jobs import CEILING, REFERENCE
 from .schema import RunRecord
 
-COLUMNS: list[tuple[str, int, Callable[[RunRecord], str]]] = [
+Column = tuple[str, int, Callable[[RunRecord], str]]
+
+COLUMNS: list[Column] = [
     ("strategy", 16, lambda r: r.strategy),
     ("workers", 7, lambda r: str(r.workers)),
     ("micro", 5, lambda r: _opt(r.microbatches)),
@@ -24,6 +26,9 @@ COLUMNS: list[tuple[str, int, Callable[[RunRecord], str]]] = [
     ("peak MB", 8, lambda r: _num(r.peak_memory_mb, ".0f")),
     ("status", 14, lambda r: r.status),
 ]
+"""The columns of every table; `columns` adds tokens/s and MFU after samples/s where a run has them."""
+TOKENS: Column = ("tokens/s", 9, lambda r: _num(r.tokens_per_s, ".0f"))
+MFU: Column = ("MFU", 6, lambda r: _percent(r.mfu))
 
 
 _NOT_PARATRAIN = (*REFERENCE.values(), CEILING)
@@ -37,19 +42,36 @@ def _num(value: float | None, fmt: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{unit}"
 
 
-def header() -> str:
+def columns(tokens: bool = False, mfu: bool = False) -> list[Column]:
+    at = [name for name, _, _ in COLUMNS].index("samples/s") + 1
+    return [*COLUMNS[:at], *([TOKENS] if tokens else []), *([MFU] if mfu else []), *COLUMNS[at:]]
+
+
+def columns_for(runs: list[RunRecord]) -> list[Column]:
+    return columns(tokens=any(r.tokens_per_s is not None for r in runs), mfu=any(r.mfu is not None for r in runs))
+
+
+def _percent(fraction: float | None) -> str:
+    """MFU as a percentage: one decimal, or two significant digits below 1% (a toy model's is tiny, not 0)."""
+    if fraction is None:
+        return "-"
+    return f"{100 * fraction:.1f}%" if fraction >= 0.01 else f"{100 * fraction:.2g}%"
+
+
+def header(cols: list[Column] = COLUMNS) -> str:
     return "  ".join(f"{name:>{width}}" if i else f"{name:<{width}}"
-                     for i, (name, width, _) in enumerate(COLUMNS))
+                     for i, (name, width, _) in enumerate(cols))
 
 
-def row(run: RunRecord) -> str:
-    cells = [f"{get(run):>{width}}" if i else f"{get(run):<{width}}" for i, (_, width, get) in enumerate(COLUMNS)]
+def row(run: RunRecord, cols: list[Column] = COLUMNS) -> str:
+    cells = [f"{get(run):>{width}}" if i else f"{get(run):<{width}}" for i, (_, width, get) in enumerate(cols)]
     line = "  ".join(cells).rstrip()
     return line + (f"\n    reason: {run.reason}" if run.reason else "")
 
 
 def table(runs: list[RunRecord]) -> str:
-    return "\n".join([header(), "-" * len(header()), *(row(r) for r in runs)])
+    cols = columns_for(runs)
+    return "\n".join([header(cols), "-" * len(header(cols)), *(row(r, cols) for r in runs)])
 
 
 def comparisons(runs: list[RunRecord]) -> list[str]:
@@ -88,15 +110,20 @@ def summary(runs: list[RunRecord]) -> list[str]:
             line += f"; no-communication ceiling here {ceilings[workers]:.2f}x"
         if r.vs_reference is not None:
             line += f"; {r.vs_reference:.3f} x {r.reference}"
+        if r.tokens_per_s is not None:
+            line += f"; {r.tokens_per_s:.0f} tokens/s"
+        if r.mfu is not None:
+            line += f", MFU {_percent(r.mfu)}"
         out.append(line)
     return out
 
 
 def markdown(runs: list[RunRecord]) -> str:
-    names = [name for name, _, _ in COLUMNS]
+    cols = columns_for(runs)
+    names = [name for name, _, _ in cols]
     lines = ["| " + " | ".join(names) + " |", "|" + "|".join("---" for _ in names) + "|"]
     for r in runs:
-        cells = [get(r) for _, _, get in COLUMNS]
+        cells = [get(r) for _, _, get in cols]
         if r.reason:
             cells[-1] += f": {r.reason}".replace("|", "/")
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,16 +1,24 @@
 """`results.json`: the contract other tools (and docs/benchmarks.md) read.
 
-    {"schema": "paratrain-bench/1", "created": ISO time, "command": "...",
-     "paratrain": {"version", "commit"}, "machine": {"cpu", "cores", "gpus", "torch", "python", "platform"},
-     "workload": {"name", "description", "parameters"}, "global_batch": B,
-     "settings": {"steps", "warmup", "repeat", "schedule", "precision", "channels_last"},
+    {"schema": "paratrain-bench/2", "created": ISO time, "command": "...",
+     "paratrain": {"version", "commit"},
+     "machine": {"cpu", "cores", "cores_total", "gpus", "torch", "python", "platform",
+                 "peak": {"flops_per_s", "dtype", "source", "per_worker"}},
+     "workload": {"name", "description", "parameters", "lr", "tokens_per_sample", "flops_per_step",
+                  "flops_method"},
+     "global_batch": B,
+     "settings": {"steps", "warmup", "repeat", "schedule", "precision", "channels_last", "gpt_size"},
      "runs": [{"strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
-               "samples_per_s", "speedup_vs_single", "scaling_efficiency", "bound", "peak_memory_mb",
-               "reference", "vs_reference", "status", "reason"}, ...]}
+               "samples_per_s", "tokens_per_s", "mfu", "speedup_vs_single", "scaling_efficiency", "bound",
+               "peak_memory_mb", "reference", "vs_reference", "status", "reason"}, ...]}
 
 `no-comm` (beside ddp) is the ceiling of data parallelism here: every worker computing its share with
 no communication. `microbatches` is null unless pipelined, `schedule` null unless `pp`-like; derived numbers are null
-unless the run is `ok`; `reason` is null exactly when it is `ok`.
+unless the run is `ok`; `reason` is null exactly when it is `ok`. `tokens_per_s` is null unless the workload
+trains on tokens; `mfu` (model FLOPs utilisation, see `mfu.py`) is null when the step's FLOPs or the
+devices' peak are unknown. Version 2 added `tokens_per_s`, `mfu`, `machine.peak`, the workload's
+`tokens_per_sample`, `flops_per_step` and `flops_method`, and `settings.gpt_size`; every version-1 field
+is kept, and `from_json` reads version-1 files too.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ import torch
 
 from .jobs import BENCH_STRATEGIES, CEILING, REFERENCE, Spec
 
-SCHEMA = "paratrain-bench/1"
+SCHEMA = "paratrain-bench/2"
+OLDER = ("paratrain-bench/1",)
+"""Versions `from_json` still reads (their missing fields are null)."""
 STATUSES = ("ok", "not-applicable", "failed")
 STRATEGIES = (*BENCH_STRATEGIES, *REFERENCE.values(), CEILING)
 PIPELINED = ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
@@ -49,6 +59,10 @@ class RunRecord:
     spread_s: float | None = None
     """Interquartile range of step_times_s."""
     samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    """global batch x tokens per sample / median step time (token workloads only)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation: FLOPs per step / median step time / (peak FLOP/s per device x workers)."""
     speedup_vs_single: float | None = None
     scaling_efficiency: float | None = None
     bound: float
@@ -83,11 +97,14 @@ class RunRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunRecord:
-        return cls(**{f.name: data[f.name] for f in fields(cls)})
+        """A record from results.json; fields an older version lacks take their defaults."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 RUN_KEYS = tuple(f.name for f in fields(RunRecord))
 TOP_KEYS = ("schema", "created", "command", "paratrain", "machine", "workload", "global_batch", "settings", "runs")
+WORKLOAD_KEYS = ("name", "description", "parameters", "tokens_per_sample", "flops_per_step", "flops_method")
+PEAK_KEYS = ("flops_per_s", "dtype", "source", "per_worker")
 
 
 def record(spec: Spec, status: str, reason: str | None, bound: float, step_times: list[float] | None = None,
@@ -107,13 +124,20 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def finalise(runs: list[RunRecord], global_batch: int) -> list[RunRecord]:
-    """Fill in medians, spread (interquartile range), samples/s, speedups and the ratio to the reference."""
+def finalise(runs: list[RunRecord], global_batch: int, *, tokens_per_sample: int | None = None,
+             flops_per_step: int | None = None, peak_flops_per_s: float | None = None) -> list[RunRecord]:
+    """Fill in medians, spread (interquartile range), samples/s, tokens/s, MFU, speedups and the ratio to
+    the reference. MFU counts every worker of a run as one device at `peak_flops_per_s`."""
     for run in runs:
         if run.status == "ok":
             run.median_step_s = round(statistics.median(run.step_times_s), 6)
             run.spread_s = round(quantile(run.step_times_s, 0.75) - quantile(run.step_times_s, 0.25), 6)
             run.samples_per_s = round(global_batch / run.median_step_s, 3)
+            if tokens_per_sample:
+                run.tokens_per_s = round(global_batch * tokens_per_sample / run.median_step_s, 1)
+            if flops_per_step and peak_flops_per_s:
+                utilisation = flops_per_step / run.median_step_s / (peak_flops_per_s * run.workers)
+                run.mfu = float(f"{utilisation:.4g}")  # significant digits: a toy model's MFU is tiny, not zero
     single = next((r for r in runs if r.strategy == "single" and r.status == "ok"), None)
     for run in runs:
         if run.status != "ok" or run.median_step_s is None:
@@ -170,7 +194,10 @@ def as_json(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_json(data: dict[str, Any]) -> dict[str, Any]:
-    """A results.json document with its runs as typed records again (for reports and plots)."""
+    """A results.json document (this version or an older one) with its runs as typed records again, for
+    reports and plots."""
+    if data.get("schema") not in (SCHEMA, *OLDER):
+        raise ValueError(f"schema is {data.get('schema')!r}; this paratrain reads {', '.join((SCHEMA, *OLDER))}")
     return {**data, "runs": [RunRecord.from_dict(r) for r in data["runs"]]}
 
 
@@ -179,18 +206,24 @@ def validate(results: dict[str, Any]) -> None:
     problems = [f"missing top-level key {k!r}" for k in TOP_KEYS if k not in results]
     if results.get("schema") != SCHEMA:
         problems.append(f"schema is {results.get('schema')!r}, expected {SCHEMA!r}")
-    for key in ("cpu", "gpus", "torch"):
+    for key in ("cpu", "gpus", "torch", "peak"):
         if key not in results.get("machine", {}):
             problems.append(f"machine has no {key!r}")
+    peak = results.get("machine", {}).get("peak") or {}
+    problems += [f"machine.peak has no {k!r}" for k in PEAK_KEYS if k not in peak]
+    workload = results.get("workload", {})
+    problems += [f"workload has no {k!r}" for k in WORKLOAD_KEYS if k not in workload]
     if not isinstance(results.get("global_batch"), int) or results["global_batch"] < 1:
         problems.append("global_batch must be a positive integer")
+    tokens = bool(workload.get("tokens_per_sample"))
+    mfu = bool(workload.get("flops_per_step")) and bool(peak.get("flops_per_s"))
     for i, run in enumerate(results.get("runs", [])):
-        problems += [f"runs[{i}]: {p}" for p in _run_problems(run)]
+        problems += [f"runs[{i}]: {p}" for p in _run_problems(run, tokens, mfu)]
     if problems:
         raise ValueError("results.json breaks its schema:\n  " + "\n  ".join(problems))
 
 
-def _run_problems(run: dict[str, Any]) -> list[str]:
+def _run_problems(run: dict[str, Any], tokens: bool, mfu: bool) -> list[str]:
     out = [f"missing key {k!r}" for k in RUN_KEYS if k not in run]
     if out:
         return out
@@ -212,9 +245,15 @@ def _run_problems(run: dict[str, Any]) -> list[str]:
             out.append("an ok run has a reason")
         if not run["step_times_s"] or min(run["step_times_s"]) <= 0:
             out.append("an ok run needs positive step_times_s")
-        for key in ("median_step_s", "samples_per_s", "bound"):
+        wanted = ("median_step_s", "samples_per_s", "bound", *(("tokens_per_s",) if tokens else ()),
+                  *(("mfu",) if mfu else ()))
+        for key in wanted:
             if not isinstance(run[key], (int, float)) or run[key] <= 0:
                 out.append(f"{key} must be a positive number for an ok run")
     elif not run["reason"]:
         out.append(f"a {run['status']} run needs a reason")
+    if not tokens and run["tokens_per_s"] is not None:
+        out.append("tokens_per_s must be null when the workload has no tokens_per_sample")
+    if not mfu and run["mfu"] is not None:
+        out.append("mfu must be null when the step's FLOPs or the devices' peak are unknown")
     return out

@@ -9,37 +9,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..memstats import peak_bytes, reset_peak
+
 
 def _multi() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # "5" resets the peak resident set size (VmHWM) of this process (Linux)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
 def _peak_mb(devices: list[torch.device]) -> float:
     """Peak memory during the last block: CUDA allocations, or the process's peak RSS on CPU."""
     cuda = [d for d in devices if d.type == "cuda"]
-    if cuda:
-        return max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return max(peak_bytes(d) for d in (cuda or devices[:1])) / 2**20
 
 
 def _sync(devices: list[torch.device]) -> None:
@@ -55,7 +35,7 @@ def time_steps(step: Callable[[], object], count: int, devices: list[torch.devic
     if _multi():
         dist.barrier()
     for d in devices:
-        _reset_peak(d)
+        reset_peak(d)
     local = []
     for _ in range(count):
         start = time.perf_counter()

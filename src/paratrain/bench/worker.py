@@ -136,7 +136,8 @@ def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = _device(settings, rank)
     say: Callable[[str], None] = (lambda text: print(text, flush=True)) if rank == 0 else (lambda text: None)
-    workload = workloads.get(settings.workload, image=settings.image, gpu=settings.gpus > 0)
+    workload = workloads.get(settings.workload, image=settings.image, gpu=settings.gpus > 0,
+                             gpt_size=settings.gpt_size)
     data = workload.data(settings.batch)
     sides = [_Side(spec) for spec in job.specs]
     for side in sides:

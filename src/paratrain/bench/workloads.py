@@ -1,9 +1,10 @@
 """What the benchmark trains: built-in models on synthetic data, or the user's own via `module:factory`.
 
-Every built-in model is an `nn.Sequential`, so the pipelined strategies and the hand-written
-references can cut it into stages by its children. Data is generated in process from a fixed seed
-(no downloads), once per worker, and reused every step: the benchmark times the training step, not
-data loading.
+Every built-in model but `gpt` is an `nn.Sequential`, so the pipelined strategies and the hand-written
+references can cut it into stages by its children. `gpt` is a decoder as users write one (a module with
+a list of blocks and a tied output projection): paratrain traces it, and the hand-written references cut
+the chain its `layers()` names. Data is generated in process from a fixed seed (no downloads), once per
+worker, and reused every step: the benchmark times the training step, not data loading.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError, unknown_name
+from . import gpt as gpt_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -40,7 +42,12 @@ class Workload:
     repeat: int = 3
     warmup: int = 2
     split: int | None = None
-    """Child index where the hand-written 2-stage references cut the model (None: half the children)."""
+    """Index in the layer chain where the hand-written 2-stage references cut the model (None: half way)."""
+    layers: Callable[[nn.Module], list[nn.Module]] | None = None
+    """The model as the chain of layers the hand-written pipeline references cut between (None: the
+    children of the nn.Sequential)."""
+    tokens: int | None = None
+    """Tokens per sample, for workloads that train on token sequences (tokens/s is reported for them)."""
 
 
 def _generator(seed: int = 1) -> torch.Generator:
@@ -125,15 +132,43 @@ def resnet50(image: int | None = None, gpu: bool = False) -> Workload:
     )
 
 
-BUILTIN: dict[str, Callable[..., Workload]] = {"toy": toy, "mlp": mlp, "convnet": convnet, "resnet50": resnet50}
+def gpt(size: str | None = None, gpu: bool = False) -> Workload:
+    """A GPT decoder language model (`bench/gpt.py`) on synthetic token batches, next-token cross-entropy.
+    `mini` on CPU workers by default (8 sequences of 128 tokens, about 0.1-0.3 s per step on one core),
+    GPT-2 small (`gpt2`, 8 sequences of 1024 tokens) on GPUs; `tiny` for tests. The references cut it
+    between blocks: embedding and the first half of the blocks | the other half and the tied head."""
+    name = size or ("gpt2" if gpu else "mini")
+    if name not in gpt_model.SIZES:
+        raise unknown_name("GPT size (--gpt-size)", name, gpt_model.SIZES)
+    cfg = gpt_model.SIZES[name]
+
+    def layers(model: nn.Module) -> list[nn.Module]:
+        assert isinstance(model, gpt_model.GPT)
+        return model.layers()
+
+    return Workload(
+        name="gpt", description=f"GPT decoder '{name}' (d_model {cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads, "
+                                f"seq {cfg.seq}, vocab {cfg.vocab}, tied head), next-token cross-entropy",
+        model=lambda: gpt_model.GPT(cfg), data=lambda b: gpt_model.tokens(b, cfg), loss=gpt_model.NextTokenLoss,
+        batch=8, steps=5, repeat=5 if gpu else 3, warmup=2,
+        split=1 + cfg.layers // 2, layers=layers, tokens=cfg.seq,
+    )
 
 
-def get(name: str, *, image: int | None = None, gpu: bool = False) -> Workload:
+BUILTIN: dict[str, Callable[..., Workload]] = {"toy": toy, "mlp": mlp, "convnet": convnet, "resnet50": resnet50,
+                                               "gpt": gpt}
+
+
+def get(name: str, *, image: int | None = None, gpu: bool = False, gpt_size: str | None = None) -> Workload:
     """A built-in workload by name, or a user's `module:factory` (see `from_factory`)."""
     if ":" in name:
         return from_factory(name)
     if name not in BUILTIN:
         raise unknown_name("workload", name, BUILTIN)
+    if gpt_size is not None and name != "gpt":
+        raise ParatrainError(f"--gpt-size {gpt_size} applies to --workload gpt, not {name!r}")
+    if name == "gpt":
+        return gpt(gpt_size, gpu)
     if name == "resnet50":
         return resnet50(image, gpu)
     if name == "convnet" and image is not None:

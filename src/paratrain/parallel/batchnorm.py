@@ -128,6 +128,15 @@ def commit() -> None:
     _PENDING.clear()
 
 
+def snapshot() -> dict[str, _Pending]:
+    return dict(_PENDING)
+
+
+def restore(pending: dict[str, _Pending]) -> None:
+    _PENDING.clear()
+    _PENDING.update(pending)
+
+
 def discard() -> None:
     """Forget what trial steps collected (they leave no trace)."""
     _PENDING.clear()

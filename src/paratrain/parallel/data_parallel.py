@@ -1,7 +1,7 @@
-"""Data-parallel wrapping in one place: DDP, FSDP2, and the one switch for gradient synchronisation.
+"""Data-parallel wrapping: DDP, the switch for its gradient synchronisation, and the plain micro-step.
 
-Strategies compose these functions (torchtitan's `apply_ddp` / `apply_fsdp` manner); none of them
-knows about strategy names. `set_ddp_sync` / `set_fsdp_sync` are what `no_sync()` does, written as a
+Strategies compose these functions (torchtitan's `apply_ddp` manner; FSDP2 lives in `parallel.fsdp`);
+none of them knows about strategy names. `set_ddp_sync` is what `no_sync()` does, written as a
 persistent flag so a micro-step can be armed before the user's own forward runs (see `paratrain.step`).
 """
 
@@ -69,29 +69,11 @@ def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, proce
     return wrapped
 
 
-def apply_fsdp(model: nn.Module, mesh: Any = None) -> nn.Module:
-    """FSDP2: each child that owns parameters is one unit (gathered just before it runs), then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    units = [m for m in model.children() if any(True for _ in m.parameters())]
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def set_ddp_sync(model: nn.Module, sync: bool) -> None:
     """Whether the next backward of every DDP module in `model` all-reduces (False: accumulate locally)."""
     for m in model.modules():
         if isinstance(m, DistributedDataParallel):
             m.require_backward_grad_sync = sync
-
-
-def set_fsdp_sync(model: nn.Module, sync: bool) -> None:
-    """Whether the next backward of an FSDP2 model reduce-scatters its gradients."""
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(sync)
 
 
 def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int) -> None:

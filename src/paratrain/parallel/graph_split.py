@@ -214,6 +214,34 @@ def _assign_attr(root: nn.Module, target: str, value: torch.Tensor) -> None:
     setattr(module, name, value)
 
 
+def _is_param(model: nn.Module, target: str) -> bool:
+    owner, _, attr = target.rpartition(".")
+    return attr in (model.get_submodule(owner) if owner else model)._parameters
+
+
+def _has(root: nn.Module, target: str) -> bool:
+    try:
+        root.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _attach_tensor(owner: nn.Module, path: str, value: torch.Tensor, model: nn.Module) -> None:
+    """Register one parameter or buffer at `path` under fresh parents (persistence as in `model`)."""
+    parent_path, _, attr = path.rpartition(".")
+    node = owner
+    for part in parent_path.split(".") if parent_path else []:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]  # type: ignore[assignment]
+    if isinstance(value, nn.Parameter):
+        node.register_parameter(attr, value)
+    else:
+        source = model.get_submodule(parent_path) if parent_path else model
+        node.register_buffer(attr, value, persistent=attr not in source._non_persistent_buffers_set)
+
+
 def _attach(owner: nn.Module, path: str, module: nn.Module) -> None:
     """Register `module` at dotted `path` under `owner`, creating empty parents as needed."""
     *parents, name = path.split(".")
@@ -224,6 +252,16 @@ def _attach(owner: nn.Module, path: str, module: nn.Module) -> None:
         node = node._modules[part]  # type: ignore[assignment]
     if name not in node._modules:
         node.add_module(name, module)
+
+
+def _belongs_to(model: nn.Module, target: str) -> bool:
+    """A parameter or buffer of the user's model (not a submodule or constant the tracer made)."""
+    owner, _, attr = target.rpartition(".")
+    try:
+        holder = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return attr in holder._parameters or attr in holder._buffers
 
 
 class GraphSegment(nn.Module):
@@ -240,18 +278,18 @@ class GraphSegment(nn.Module):
         self.name, self.first, self.last = name, first, last
         self._graphs = graphs  # unregistered: the user's modules are registered below, by path
         self._specs = specs
-        targets = sorted({str(n.target) for gm in graphs.values() for n in gm.graph.nodes if n.op == "get_attr"},
-                         key=lambda t: t.count("."))
+        targets = sorted({str(n.target) for gm in graphs.values() for n in gm.graph.nodes
+                          if n.op == "get_attr" and _belongs_to(model, str(n.target))}, key=lambda t: t.count("."))
         for target in targets:
             owner, _, attr = target.rpartition(".")
             if owner:
                 _attach(self, owner, model.get_submodule(owner))
             else:  # a tensor of the model itself: register that tensor alone
-                value = getattr(model, attr)
-                if isinstance(value, nn.Parameter):
-                    self.register_parameter(attr, value)
-                else:
-                    self.register_buffer(attr, value)
+                _attach_tensor(self, target, getattr(model, attr), model)
+        used = {id(self.get_parameter(t)) if _is_param(model, t) else None for t in targets} - {None}
+        for name, p in model.named_parameters(remove_duplicate=False):  # other names of a tied weight
+            if id(p) in used and not _has(self, name):
+                _attach_tensor(self, name, p, model)
         self._targets = targets
 
     def repoint(self) -> None:

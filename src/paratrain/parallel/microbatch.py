@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import ParatrainError
 
@@ -36,28 +37,22 @@ def batch_size(value: Any) -> int:
 
 
 def split(value: Any, chunks: int) -> list[Any]:
-    """`chunks` pieces along dim 0 (tensors, or tuples/lists/dicts of them); sizes differ by at most one."""
-    if isinstance(value, torch.Tensor):
-        return list(torch.tensor_split(value, chunks))
-    if isinstance(value, list | tuple):
-        parts = [split(v, chunks) for v in value]
-        return [type(value)(p[i] for p in parts) for i in range(chunks)]
-    if isinstance(value, dict):
-        parts_by_key = {k: split(v, chunks) for k, v in value.items()}
-        return [{k: p[i] for k, p in parts_by_key.items()} for i in range(chunks)]
-    return [value] * chunks
+    """`chunks` pieces along dim 0 of every tensor in `value` (any nesting torch's pytree knows: tuples,
+    lists, dicts, Hugging Face ModelOutputs); sizes differ by at most one; other leaves are repeated."""
+    leaves, spec = pytree.tree_flatten(value)
+    parts = [list(torch.tensor_split(x, chunks)) if isinstance(x, torch.Tensor) and x.dim() else [x] * chunks
+             for x in leaves]
+    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(chunks)]
 
 
 def merge(values: Sequence[Any]) -> Any:
-    """Inverse of `split`: concatenate along dim 0."""
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(values))
-    if isinstance(first, list | tuple):
-        return type(first)(merge([v[i] for v in values]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: merge([v[k] for v in values]) for k in first}
-    return first
+    """Inverse of `split`: tensors concatenated along dim 0, in the structure (and type) of the first value;
+    a 0-d tensor or another leaf is taken from the first."""
+    flats = [pytree.tree_flatten(v)[0] for v in values]
+    spec = pytree.tree_flatten(values[0])[1]
+    leaves = [torch.cat(list(group)) if isinstance(group[0], torch.Tensor) and group[0].dim() else group[0]
+              for group in zip(*flats)]
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def check_even(batch: int, microbatches: int, where: str) -> None:

@@ -36,6 +36,7 @@ from .options import example_needed
 from .partition import Stage, equal_balance, layers_of, split_into_stages, too_few_layers
 from .plan import Plan
 from .streams import Copier
+from .tied import check_one_device
 from .trial import step_time
 from .tuning import tune_microbatches
 
@@ -82,6 +83,7 @@ class MPPipeline(nn.Module):
             self._place(split_into_stages(layers, equal_balance(len(layers), k)))  # measure on the devices
         balance, costs = choose_balance(requested, layers, k, sample=sample, agree=agree)
         self._place(split_into_stages(layers, balance))
+        check_one_device(self.model, self.stages, self.devices)
         self.plan.balance = balance
         self.plan.layer_costs = costs
         self.plan.note(describe(balance, costs, requested))
@@ -95,6 +97,7 @@ class MPPipeline(nn.Module):
     def forward(self, inputs: Any) -> Any:
         k = len(self.stages)
         m = self.microbatches if isinstance(self.microbatches, int) else 1  # "auto" before it is resolved
+        m = min(m, batch_size(inputs))  # a short batch: no empty micro-batches
         chunks = split(inputs, m) if m > 1 else [inputs]
         m = len(chunks)
         starts = [0]

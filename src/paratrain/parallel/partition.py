@@ -13,15 +13,17 @@ up with the single-process model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from .._tree import map_tensors
 from ..errors import ParatrainError
-from . import randomness
+from . import batchnorm, randomness
 from .batchnorm import defer_modules
 from .graph_split import GraphSegment, traced_segments
 from .microbatch import batch_size
@@ -40,6 +42,14 @@ class Stage(nn.Module):
         self._chain = [module for _, module in layers]  # a plain list: registration happens below, by name
         for name, module in layers:
             _register(self, name, module)
+        self.inputs_spec: Any = None
+        """Set on a first stage that receives its input as flat tensors (a multi-process pipeline sends
+        tensors only): the input's structure, rebuilt before the first layer."""
+        self.outputs_spec: Any = None
+        """Set (to a placeholder) on a last stage that must return tensors only: the output's structure,
+        recorded at each forward so the loss and the caller get the output as the model returns it."""
+        self.sends = False
+        """Set on a stage whose outputs a multi-process pipeline sends: they must be contiguous."""
         self.row_cursor: int | None = None
         """Set by a pipeline whose schedule runs this stage's micro-batches in order: the next one's first
         row within the step's batch, so dropout masks follow the rows wherever they run."""
@@ -62,14 +72,44 @@ class Stage(nn.Module):
         # may not modify a leaf, but may modify a copy, and gradients flow through the copy unchanged.
         args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
                      for a in args)
-        out = args[0] if len(args) == 1 else args
+        if self.inputs_spec is not None:
+            out = pytree.tree_unflatten(list(args), self.inputs_spec)
+        else:
+            out = args[0] if len(args) == 1 else args
         rows = randomness.rows_offset(self.row_cursor) if self.row_cursor is not None else nullcontext()
         with rows:
             if self.row_cursor is not None:
                 self.row_cursor += batch_size(out)
             for module in self._chain:
                 out = module(out)
+        if self.outputs_spec is not None:
+            leaves, self.outputs_spec = pytree.tree_flatten(out)
+            return tuple(map_tensors(_own_storage, leaves))
+        if self.sends:
+            out = map_tensors(_own_storage, out)
         return out
+
+    @contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """A forward torch runs only to learn shapes (a pipeline's metadata inference) leaves no trace here:
+        the row cursor, the dropout call counts and BatchNorm's collected statistics are put back."""
+        cursor, calls, pending = self.row_cursor, randomness.snapshot(), batchnorm.snapshot()
+        try:
+            yield
+        finally:
+            self.row_cursor = cursor
+            randomness.restore(calls)
+            batchnorm.restore(pending)
+
+    def rebuild(self, leaves: Any) -> Any:
+        """The output as the model returns it, from what a flattening last stage returned."""
+        flat = list(leaves) if isinstance(leaves, list | tuple) else [leaves]
+        return pytree.tree_unflatten(flat, self.outputs_spec)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A tensor a pipeline may send and detach in place: contiguous, and not a view of another."""
+    return t.clone(memory_format=torch.contiguous_format) if t._is_view() or not t.is_contiguous() else t
 
 
 def _register(owner: nn.Module, name: str, module: nn.Module) -> None:
@@ -91,6 +131,12 @@ def _merge(into: nn.Module, other: nn.Module) -> None:
     """Two segments may both hold parents of the same path (`blocks` for blocks.0 and blocks.1)."""
     if into is other:
         return
+    for name, param in other._parameters.items():
+        if name not in into._parameters and param is not None:
+            into.register_parameter(name, param)
+    for name, buf in other._buffers.items():
+        if name not in into._buffers and buf is not None:
+            into.register_buffer(name, buf, persistent=name not in other._non_persistent_buffers_set)
     for name, child in other.named_children():
         if name not in into._modules:
             into.add_module(name, child)

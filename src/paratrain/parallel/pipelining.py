@@ -19,6 +19,7 @@ Averaging over data-parallel replicas is not this module's business: `ddp+pp` do
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .._tree import map_tensors
 from ..collectives import max_over_world, mean_over_world
@@ -38,10 +40,26 @@ from .microbatch import batch_size, check_even, divisors, split
 from .options import check_layout, example_needed
 from .partition import Stage, layers_of, merged, split_into_stages
 from .plan import Plan
+from .tied import TiedGradients
 from .trial import step_time
 from .tuning import tune_microbatches
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@functools.cache
+def _pipeline_stage_class() -> type:
+    """torch's PipelineStage, whose shape-learning forward (metadata inference, before the first real
+    micro-batch) leaves our stages' per-step state alone."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class QuietStage(PipelineStage):  # type: ignore[misc]
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            stage: Stage = self.submod  # type: ignore[assignment]
+            with stage.unobserved():
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+    return QuietStage
 
 
 def _schedule_class(name: str, per_worker: int) -> type:
@@ -89,6 +107,8 @@ class PipelineModule(nn.Module):
         self._loss_scale = 1
         self._loss_saved = 0
         self._meter: Any = None
+        self.sync = True
+        """False inside an accumulation window (pp): tied gradients are summed only when it ends."""
         self._defer_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
         self.local = self._split(model, balance, example)
         self._registered = nn.ModuleList(self.local)
@@ -109,7 +129,14 @@ class PipelineModule(nn.Module):
         balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample,
                                         agree=lambda v: mean_over_world(v, self.device))
         stages = split_into_stages(layers, balance)
+        owner = {i: r for r in range(self.pp) for i in stage_indices(self.schedule_name, r, self.pp, self.per_worker)}
+        self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
         local = [stages[i].to(self.device) for i in self.ids]
+        for stage in local:
+            if stage.index == self.num_stages - 1:
+                stage.outputs_spec = True  # torch sends and merges tensors only; the structure is put back
+            else:
+                stage.sends = True
         mine = {id(p) for s in local for p in s.parameters()}
         for p in model.parameters():
             if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
@@ -120,6 +147,11 @@ class PipelineModule(nn.Module):
         self.plan.note(describe(balance, costs, requested))
         return local
 
+    def reduce_tied_gradients(self) -> None:
+        """At the end of an accumulation window: tied parameters' gradients summed over their holders."""
+        if self.tied:
+            self.tied.reduce(self.device)
+
     def holds(self) -> nn.Module:
         """This worker's layers under their original names (what `unwrap` returns)."""
         return merged(self.local)
@@ -128,7 +160,7 @@ class PipelineModule(nn.Module):
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         assert self._loss_fn is not None
         meter, before = self._meter, self._meter.current if self._meter else 0
-        loss = self._loss_fn(output, target)
+        loss = self._loss_fn(self._last().rebuild(output), target)
         if meter is not None:  # what the loss keeps for backward belongs to the last stage's micro-batch
             self._loss_saved = max(self._loss_saved, meter.current - before)
         return loss / self._loss_scale
@@ -136,9 +168,7 @@ class PipelineModule(nn.Module):
     def _schedule(self, microbatches: int, inputs: Any, training: bool = True, loss: bool = True) -> Any:
         key = (microbatches, _signature(inputs), training, loss)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
-
-            stages = [PipelineStage(stage, i, self.num_stages, self.device, group=self.group)
+            stages = [_pipeline_stage_class()(stage, i, self.num_stages, self.device, group=self.group)
                       for stage, i in zip(self.local, self.ids)]
             # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
             name = self.schedule_name if training or self.per_worker > 1 else "gpipe"
@@ -158,6 +188,20 @@ class PipelineModule(nn.Module):
             self._schedules[key] = (sched, stages)
         return self._schedules[key]
 
+    def _flat_inputs(self, inputs: Any) -> tuple[torch.Tensor, ...]:
+        """The first stage receives tensors only: the inputs' tensors, rebuilt into their structure there."""
+        leaves, spec = pytree.tree_flatten(inputs)
+        if any(not isinstance(x, torch.Tensor) or not x.dim() for x in leaves):
+            raise ParatrainError(
+                f"strategy {self.plan.strategy!r}: pipeline inputs must be tensors with a batch dimension (or "
+                f"dicts, tuples and lists of them); got {[type(x).__name__ for x in leaves]}. Pass other values "
+                "as constants inside the model"
+            )
+        for stage in self.local:
+            if stage.index == 0:
+                stage.inputs_spec = spec
+        return tuple(leaves)
+
     def _run(self, inputs: Any, targets: Any, microbatches: int, loss_scale: int) -> torch.Tensor | None:
         sched, stages = self._schedule(microbatches, inputs)
         for stage in self.local:
@@ -171,7 +215,7 @@ class PipelineModule(nn.Module):
         if _takes_return_outputs(sched):
             kwargs["return_outputs"] = False
         self._loss_scale = microbatches * loss_scale  # mean over micro-batches and micro-steps
-        sched.step(*((inputs,) if first else ()), **kwargs)
+        sched.step(*(self._flat_inputs(inputs) if first else ()), **kwargs)
         if not last:
             return None
         return torch.stack([loss.detach().float() for loss in losses]).sum() * loss_scale
@@ -205,14 +249,7 @@ class PipelineModule(nn.Module):
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
         wanted = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
-        fits = [m for m in divisors(batch) if m <= wanted and (self.per_worker == 1 or m % self.pp == 0)]
-        if not fits:
-            raise ParatrainError(
-                f"strategy {self.plan.strategy!r}: an evaluation batch of {batch} rows cannot be cut into whole "
-                f"rounds of {self.pp} micro-batches for {self.per_worker} stages per worker; evaluate batches "
-                f"whose size is a multiple of {self.pp}"
-            )
-        m = max(fits)
+        m = max(d for d in divisors(batch) if d <= wanted)
         sched, stages = self._schedule(m, inputs, training=False, loss=loss_fn is not None)
         for stage in self.local:
             stage.row_cursor = None
@@ -223,10 +260,15 @@ class PipelineModule(nn.Module):
             kwargs.update(target=targets, losses=losses)
         self._loss_fn, self._loss_scale = loss_fn, m
         first = any(s.is_first for s in stages)
-        out = sched.eval(*((inputs,) if first else ()), **kwargs)
+        out = sched.eval(*(self._flat_inputs(inputs) if first else ()), **kwargs)
         if not last:
             return None
-        return torch.stack([loss.detach().float() for loss in losses]).sum() if loss_fn is not None else out
+        if loss_fn is not None:
+            return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return self._last().rebuild(out)
+
+    def _last(self) -> Stage:
+        return next(s for s in self.local if s.index == self.num_stages - 1)
 
     def candidates(self, batch: int) -> list[int]:
         """Micro-batch counts this schedule accepts for `batch` (equal micro-batches only)."""

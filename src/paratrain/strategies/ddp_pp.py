@@ -115,6 +115,7 @@ class DataPipeline:
             raise ParatrainError("strategy 'ddp+pp': pass the model returned by run.prepare to forward_backward")
         local = model(inputs, targets, loss_fn, ctx.config.grad_accum)
         if model.sync:
+            model.pipe.reduce_tied_gradients()
             average_gradients(model.pipe.parameters(), model.dp_group, model.dp)
         return global_loss(local, model.dp, ctx.device)
 

@@ -1,8 +1,11 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over data-parallel ranks.
 
-Each child module that owns parameters becomes one FSDP unit (its parameters are all-gathered just
-before it runs and freed after), then the root is sharded too. Gradients are reduce-scattered and
-averaged, so training matches DDP and the single-process run at the same global batch.
+Units follow the model's blocks (see `parallel.fsdp`): each block of a `ModuleList`/`Sequential` is
+gathered just before it runs and freed after; embeddings, final norm, head and tied weights stay in
+the root unit. Gradients are reduce-scattered and averaged, so training matches DDP and the
+single-process run at the same global batch. With precision="bf16" the parameters are gathered and
+computed in bfloat16 (FSDP2's MixedPrecisionPolicy) under autocast, and reduced and updated in
+float32 (numerics in docs/usage.md).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from torch import nn
 
 from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
-from ..parallel.data_parallel import apply_fsdp, evaluate, forward_backward, set_fsdp_sync
+from ..parallel.data_parallel import evaluate, forward_backward
+from ..parallel.fsdp import apply_fsdp, set_fsdp_sync
 from .base import Backward, Context, LossFn
 
 
@@ -40,7 +44,7 @@ class FSDP:
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
                              "strategy 'fsdp'")
-        return apply_fsdp(model.to(ctx.device))
+        return apply_fsdp(model.to(ctx.device), precision=ctx.config.precision)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return ctx.placement.rank, ctx.placement.world_size

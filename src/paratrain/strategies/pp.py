@@ -58,13 +58,17 @@ class Pipeline:
         return 0, 1  # every stage of the one pipeline sees the same batches
 
     def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
-        pass  # one replica: each stage's gradients are complete after the schedule
+        if isinstance(model, PipelineModule):
+            model.sync = sync  # tied parameters' gradients are summed over their stages when the window ends
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
                          ctx: Context) -> torch.Tensor:
         if not isinstance(model, PipelineModule):
             raise ParatrainError("strategy 'pp': pass the model returned by run.prepare to forward_backward")
-        return global_loss(model(inputs, targets, loss_fn, ctx.config.grad_accum), 1, ctx.device)
+        local = model(inputs, targets, loss_fn, ctx.config.grad_accum)
+        if model.sync:
+            model.reduce_tied_gradients()
+        return global_loss(local, 1, ctx.device)
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
         return evaluate(model, inputs, targets, loss_fn, ctx.device)

@@ -1,0 +1,276 @@
+"""The prepared loader: the user's DataLoader, iterated as this replica's share of each global batch.
+
+The batches are read by one inner DataLoader that keeps every loading option of the user's (workers,
+collate_fn, pinned memory, persistent workers, prefetching, timeout, worker_init_fn, in_order); only
+which indices form a batch is paratrain's. The loader's position (epoch, samples consumed) is global,
+so a checkpoint resumes on any world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ..errors import ParatrainError
+from ..parallel import randomness
+from .order import Epoch, read_order
+from .plan import ONE, Batch, Layout, Weight, batch_ends, check_epoch, evaluation_batches, replica_batches
+
+_STAMPS = itertools.count(1)
+
+
+class ShardedLoader:
+    """A DataLoader sharded over data-parallel replicas; `state_dict` is its position.
+
+    Iterating runs the rest of the current epoch; when an epoch is finished the next iteration starts the
+    next epoch (so `set_epoch` happens without the user calling it; calling it works too).
+    """
+
+    def __init__(self, loader: DataLoader, replica: int, replicas: int, seed: int, evaluation: bool = False, *,
+                 grad_accum: int = 1, equal_shares: bool = False, device: torch.device | None = None) -> None:
+        self.loader = loader
+        self.order = read_order(loader, seed, replicas)
+        self.layout = Layout(replica, replicas, 1 if evaluation else grad_accum, equal_shares)
+        self.replica, self.replicas = replica, replicas
+        self.batch_size: int | None = loader.batch_size
+        """Per worker (None when a batch_sampler makes the global batches)."""
+        self.seed = self.order.seed
+        self.shuffle = self.order.shuffle
+        self.drop_last = bool(loader.drop_last or self.order.drop_last)
+        self.evaluation = evaluation
+        self.epoch = 0
+        self.consumed = 0
+        """Samples of the current epoch's order (global count, all replicas) already handed out."""
+        self.timing: Any = None
+        """A run's step breakdown (observe.Breakdown) that times the wait for each batch while profiling."""
+        self.sampler = EpochSampler(self)
+        """What tutorials call `loader.sampler`: `set_epoch` moves this loader's order."""
+        self._drawn: tuple[int, Epoch] | None = None
+        self._inner: DataLoader | None = None
+        self._batches = _Batches()
+        self._followed = self._sampler_epoch()
+        self._stamp, self._weight, self._unclaimed, self._ahead = 0, ONE, 0, False
+        first = self._draw()
+        if self.order.drawn and device is not None:  # first: a refusal below must not leave other ranks waiting
+            _check_same_on_every_rank(first, self.order.name, device)
+        if len(first.order) < replicas:
+            raise ParatrainError(
+                f"the dataset has {len(first.order)} samples but {replicas} data-parallel workers need at least one "
+                f"each; use at most {len(first.order)} workers or a larger dataset"
+            )
+        self._plan()  # refuses, now, an epoch that cannot be shared exactly
+        if self.order.drawn and self.order.draw(0) != first:
+            raise ParatrainError(
+                f"the sampler {self.order.name} gives a different order each time it is drawn from the same "
+                "seed (it keeps a random state of its own), so ranks would disagree and a resumed run would not "
+                "continue the same epoch; draw from torch's global RNG, `random`, NumPy's global RNG or the "
+                "sampler's `generator` attribute (paratrain seeds them per epoch), or shard the data yourself "
+                "and pass the plain DataLoader to the loop"
+            )
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def global_batch(self) -> int | None:
+        return None if self.batch_size is None else self.batch_size * self.replicas
+
+    def __len__(self) -> int:
+        """Batches this replica loads in the current epoch, counted from its start."""
+        self._follow_sampler()
+        return len(self._plan(from_start=True))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning; the current epoch (e.g. one resumed mid-way) is left as it is."""
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    # -- the plan -------------------------------------------------------------------------------
+    def _draw(self) -> Epoch:
+        if self._drawn is None or self._drawn[0] != self.epoch:
+            self._drawn = (self.epoch, self.order.draw(self.epoch))
+        return self._drawn[1]
+
+    def _plan(self, from_start: bool = False) -> list[Batch]:
+        epoch = self._draw()
+        consumed = 0 if from_start else self.consumed
+        if self.evaluation:
+            return [Batch(b, len(epoch.order)) for b in
+                    evaluation_batches(epoch.order, epoch.ends, self.layout, self.batch_size)]
+        start, ends = 0, epoch.ends
+        if ends is None:
+            assert self.global_batch is not None
+            start = consumed % self.global_batch  # 0 unless resumed with another global batch
+            ends = batch_ends(len(epoch.order), self.global_batch, self.drop_last, self.layout.grad_accum, start)
+        elif consumed and consumed not in ends:
+            raise ParatrainError(
+                f"the checkpoint's position {consumed} is not at a batch boundary of this batch_sampler's epoch "
+                f"{self.epoch}; resume with the batch_sampler the saving run used"
+            )
+        check_epoch(ends, self.layout, per_worker=self.batch_size, start=start)
+        return replica_batches(epoch.order, ends, consumed, self.layout, start)
+
+    # -- iterating ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        self._follow_sampler()
+        plan = self._plan()
+        self._unclaimed, self._ahead = 0, False
+        if plan:
+            batches = self._load(plan) if self.timing is None else self.timing.batches(self._load(plan))
+            for batch, item in zip(batches, plan):
+                if not self.evaluation:
+                    self.consumed = item.end
+                self._stamp, self._weight = next(_STAMPS), item.weight
+                self._unclaimed += 1
+                randomness.set_rows_before(item.rows_before)
+                yield batch
+        self._weight = ONE
+        if not self.evaluation:
+            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def _load(self, plan: list[Batch]) -> DataLoader:
+        """The inner DataLoader over this plan: made once (so persistent workers persist), re-pointed per pass."""
+        self._batches.items = [b.indices for b in plan]
+        if self._inner is None:
+            src = self.loader
+            extra = {k: getattr(src, k) for k in ("pin_memory_device", "in_order") if hasattr(src, k)}
+            self._inner = DataLoader(
+                src.dataset, batch_sampler=self._batches, num_workers=src.num_workers, collate_fn=src.collate_fn,
+                pin_memory=src.pin_memory, timeout=src.timeout, worker_init_fn=src.worker_init_fn,
+                multiprocessing_context=src.multiprocessing_context,
+                prefetch_factor=src.prefetch_factor if src.num_workers > 0 else None,
+                persistent_workers=src.persistent_workers, **extra,
+            )
+        # worker seeds: a function of (seed, replica, epoch), like the order (torch draws them from this)
+        self._inner.generator = torch.Generator().manual_seed(self.seed * 1009 + self.replica * 7919 + self.epoch)
+        return self._inner
+
+    def claim(self) -> Weight:
+        """The weight of the batch yielded last, for the micro-step that trains on it."""
+        if self._unclaimed > 1:
+            self._ahead = True  # the loop fetched more than one batch per micro-step (a prefetcher, a skip)
+        self._unclaimed = 0
+        if self._ahead and self._weight != ONE:
+            raise ParatrainError(
+                "this loop fetched batches ahead of the training step (more than one batch before a backward: a "
+                "prefetcher, or a skipped batch), so paratrain cannot tell which batch this loss belongs to, and the "
+                "short last batch must be weighted by its rows; iterate the prepared loader directly, one batch per "
+                "step, or use DataLoader(drop_last=True) so that every batch weighs the same"
+            )
+        return self._weight
+
+    # -- the tutorials' DistributedSampler.set_epoch on the user's own sampler object -------------
+    def _sampler_epoch(self) -> int | None:
+        sampler = self.loader.sampler
+        return int(sampler.epoch) if isinstance(sampler, DistributedSampler) else None
+
+    def _follow_sampler(self) -> None:
+        now = self._sampler_epoch()
+        if now is not None and now != self._followed:
+            self._followed = now
+            self.set_epoch(now)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The position: epoch and samples of it consumed, as global counts (valid for any world size)."""
+        n = len(self.loader.dataset)  # type: ignore[arg-type]
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "size": n,
+                "shuffle": int(self.shuffle), "order": self.order.name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position. The world size and per-worker batch may differ from the saving
+        run: the not yet consumed samples of the epoch are re-divided among this run's replicas."""
+        if state.get("seed", self.seed) != self.seed:
+            raise ParatrainError(
+                f"checkpoint's data order was made with seed {state['seed']} but this run uses seed "
+                f"{self.seed}; resume with {self.order.seed_option.replace('...', str(state['seed']))} to continue "
+                "the same order"
+            )
+        n = len(self.loader.dataset)  # type: ignore[arg-type]
+        if state.get("size", n) != n:
+            raise ParatrainError(
+                f"checkpoint's data position is for a dataset of {state['size']} samples but this one has {n}; "
+                "resume with the same dataset (a different one cannot continue the same epoch order)"
+            )
+        if state.get("shuffle", int(self.shuffle)) != int(self.shuffle):
+            raise ParatrainError(
+                f"checkpoint's data order was made with shuffle={bool(state['shuffle'])} but this loader has "
+                f"shuffle={self.shuffle}; build the DataLoader as the saving run did"
+            )
+        if state.get("order", self.order.name) != self.order.name:
+            raise ParatrainError(
+                f"checkpoint's data order came from {state['order']} but this loader's comes from {self.order.name}; "
+                "build the DataLoader as the saving run did"
+            )
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        self.epoch, self.consumed = epoch, 0
+        length = len(self._draw().order)
+        if not 0 <= consumed <= length:
+            raise ParatrainError(f"checkpoint's data position {consumed} is outside an epoch of {length} samples")
+        self.consumed = consumed
+
+
+class EpochSampler:
+    """`loader.sampler` of a prepared loader: `set_epoch(e)` sets the loader's epoch (a no-op for the epoch it
+    is in, so a resumed run continues mid-epoch); iterating gives this replica's indices of the current epoch."""
+
+    def __init__(self, loader: ShardedLoader) -> None:
+        self._loader = loader
+
+    @property
+    def epoch(self) -> int:
+        return self._loader.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._loader._follow_sampler()
+        return iter([i for b in self._loader._plan(from_start=True) for i in b.indices])
+
+    def __len__(self) -> int:
+        self._loader._follow_sampler()
+        return sum(len(b.indices) for b in self._loader._plan(from_start=True))
+
+
+class _Batches:
+    """The inner DataLoader's batch_sampler: the current pass's batches, replaced before each pass."""
+
+    def __init__(self) -> None:
+        self.items: list[list[Any]] = []
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return iter(list(self.items))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def claim_weight(loaders: Iterable[ShardedLoader]) -> Weight:
+    """The weight of the batch the most recently iterated training loader yielded last (1.0 without one)."""
+    latest = max((x for x in loaders if x._stamp), key=lambda x: x._stamp, default=None)
+    return ONE if latest is None else latest.claim()
+
+
+def _check_same_on_every_rank(epoch: Epoch, name: str, device: torch.device) -> None:
+    """A user sampler must draw the same order on every rank (it may be seeded by rank, or not seedable)."""
+    from .. import collectives
+
+    if not collectives.active():
+        return
+    text = repr((epoch.order, epoch.ends)).encode()  # repr, not hash(): str hashes differ between processes
+    digest = int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
+    both = collectives.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64), op="max", device=device)
+    if int(both[0]) != -int(both[1]):
+        raise ParatrainError(
+            f"the sampler {name} draws a different order on different ranks, so the global batches would not be "
+            "the same on every rank; make its order depend only on the seed (draw from torch's global RNG, "
+            "`random`, NumPy's global RNG or its `generator` attribute, which paratrain seeds per epoch), not on "
+            "the rank, or shard the data yourself and pass the plain DataLoader to the loop"
+        )

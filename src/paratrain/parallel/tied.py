@@ -1,0 +1,74 @@
+"""Parameters tied across pipeline stages: one parameter in effect, as Megatron's embedding group does.
+
+A language model's head often shares its weight with the token embedding. Split into stages, the
+embedding sits on the first stage and the head on the last; in separate processes each rank holds its
+own copy of the shared tensor. Both copies start equal (every rank builds the model from one seed), so
+they stay equal if every copy receives the sum of the gradients all its holders computed and the same
+optimizer update: after backward, at the end of an accumulation window, the holders' gradients are
+summed over the pipeline's process group, and each rank steps its copy as usual.
+
+In one process (`mp`) the stages hold the very same Parameter, so autograd already sums its gradient;
+only stages on different devices would need copies, which are refused until that is supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ParatrainError
+
+
+def shared_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, list[int]]]:
+    """(name, parameter, stage indices) of parameters more than one stage holds, in the model's order."""
+    holders: dict[int, list[int]] = {}
+    for index, stage in enumerate(stages):
+        for p in stage.parameters():
+            holders.setdefault(id(p), []).append(index)
+    return [(name, p, holders[id(p)]) for name, p in model.named_parameters() if len(holders.get(id(p), [])) > 1]
+
+
+def check_one_device(model: nn.Module, stages: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    """One process: a parameter shared by stages on different devices cannot be one tensor."""
+    for name, _, held_by in shared_parameters(model, stages):
+        where = sorted({str(devices[i]) for i in held_by})
+        if len(where) > 1:
+            raise ParatrainError(
+                f"{type(model).__name__}.{name} is shared by stages {held_by} on {', '.join(where)}; one process "
+                "cannot keep one parameter on two devices. Give a balance that puts those layers on one stage, "
+                "or use strategy='pp' (one process per stage keeps the tied copies equal)"
+            )
+
+
+class TiedGradients:
+    """Sums the gradients of parameters tied across this pipeline's ranks (collective over `group`)."""
+
+    def __init__(self, model: nn.Module, stages: Sequence[nn.Module], rank_of_stage: Callable[[int], int],
+                 my_rank: int, group: Any) -> None:
+        self.group = group
+        self.entries: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]] = []
+        for _, p, held_by in shared_parameters(model, stages):
+            ranks = {rank_of_stage(i) for i in held_by}
+            if len(ranks) > 1:
+                self.entries.append((p if my_rank in ranks else None, p.shape, p.dtype))
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def reduce(self, device: torch.device) -> None:
+        """Every holder's gradient becomes the sum over all holders (zeros stand in for ranks without it)."""
+        for dtype in {e[2] for e in self.entries}:
+            group = [e for e in self.entries if e[2] == dtype]
+            flat = torch.cat([(p.grad if p is not None and p.grad is not None else
+                               torch.zeros(shape, dtype=dtype, device=device)).reshape(-1) for p, shape, _ in group])
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for p, shape, _ in group:
+                n = shape.numel()
+                if p is not None:
+                    p.grad = flat[offset : offset + n].view(shape).clone()
+                offset += n

@@ -1,0 +1,215 @@
+"""Measure the machine at hand into a cluster spec (`--cluster local`).
+
+Two CPU workers (one thread each, as `paratrain run` starts them) time every collective the strategies
+use over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha and beta are fitted per
+collective (`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is
+almost all schedule overhead (sends, receives, Python), and report their resident memory once torch's
+dense kernels have run (code and math-library workspaces resident, no model): the floor every
+worker's measured peak includes. One core times matrix products of growing size for its peak rate
+and efficiency curve, and a large copy for its memory bandwidth; one process times paratrain's loop
+against the bare one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..memstats import resident_bytes
+from .cluster import GIB, Cluster, Link
+from .comm import COLLECTIVES, fit
+
+SIZES = tuple(4096 * 4**i for i in range(7))  # 4 KiB .. 16 MiB
+_PIPE_MICROBATCHES = 8
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of `fn` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _collective(kind: str, n: int) -> Callable[[], Any]:
+    import torch.distributed as dist
+
+    p, rank = dist.get_world_size(), dist.get_rank()
+    elements = max(p, n // 4 // p * p)
+    full, shard = torch.ones(elements), torch.ones(elements // p)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, shard)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, full)
+
+    def ping_pong() -> None:  # rank 0 <-> rank 1; one-way time is half the round trip
+        if rank == 0:
+            dist.send(full, 1)
+            dist.recv(full, 1)
+        elif rank == 1:
+            dist.recv(full, 0)
+            dist.send(full, 0)
+
+    return ping_pong
+
+
+def _pipeline_step(repeats: int) -> float:
+    """Seconds per step of a 2-stage GPipe pipeline of tiny layers (run in the workers)."""
+    import contextlib
+    import io
+
+    import paratrain
+
+    run = paratrain.setup(strategy="pp", microbatches=_PIPE_MICROBATCHES, schedule="gpipe", balance="equal",
+                          timeout_s=120)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x, y = torch.randn(8 * _PIPE_MICROBATCHES, 8), torch.randn(8 * _PIPE_MICROBATCHES, 8)
+    loss = torch.nn.MSELoss()
+    with contextlib.redirect_stdout(io.StringIO()):  # the pipeline's own report of its split and memory
+        model = run.prepare(model)
+        run.forward_backward(model, x, y, loss)
+    return _timed(lambda: run.forward_backward(model, x, y, loss), repeats)
+
+
+def _warm_dense_kernels() -> None:
+    """One small training step of a dense layer: the math library's code and workspaces become resident, as
+    in every worker that trains, so the floor measured after it is the floor a real worker starts from."""
+    layer = torch.nn.Linear(512, 512)
+    opt = torch.optim.Adam(layer.parameters())
+    torch.nn.functional.mse_loss(layer(torch.randn(256, 512)), torch.randn(256, 512)).backward()
+    opt.step()
+
+
+def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
+    """Runs in each of the calibration workers; rank 0's answer is the measurement."""
+    import torch.distributed as dist
+
+    from ..collectives import max_over_world
+
+    pipeline = _pipeline_step(repeats)  # starts the process group through paratrain.setup
+    _warm_dense_kernels()
+    resident = resident_bytes()
+    sweep: dict[str, list[tuple[int, float]]] = {}
+    for kind in COLLECTIVES:
+        points = []
+        for n in sizes:
+            dist.barrier()
+            seconds = _timed(_collective(kind, n), repeats)
+            if kind == "p2p":
+                seconds /= 2
+            points.append((n, max_over_world(seconds)))
+        sweep[kind] = points
+    return {"sweep": sweep, "pipeline_step_s": max_over_world(pipeline), "resident_bytes": resident,
+            "world": dist.get_world_size()}
+
+
+def _matmul_curve(repeats: int = 3) -> tuple[float, list[list[float]]]:
+    """(best FLOP/s of one thread, [[flops of one product, fraction of that best], ...])."""
+    rates = []
+    with _threads(1):
+        for n in (32, 64, 128, 256, 512, 1024):
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            product = functools.partial(torch.matmul, a, b)
+            seconds = min(_timed(product, 1) for _ in range(repeats))
+            rates.append((2.0 * n**3, 2.0 * n**3 / seconds))
+    best = max(r for _, r in rates)
+    return best, [[flops, round(rate / best, 4)] for flops, rate in rates]
+
+
+def _framework_overhead(repeats: int = 20) -> float:
+    """Seconds a `run.forward_backward` + prepared optimizer step adds over the bare loop (tiny model, one
+    process, `single`): the hooks and wrappers every strategy's step goes through."""
+    import paratrain
+
+    x, y, loss = torch.randn(4, 8), torch.randn(4, 8), torch.nn.MSELoss()
+    bare = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(bare.parameters(), lr=1e-3)
+
+    def plain() -> None:
+        loss(bare(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    run = paratrain.setup(strategy="single", accelerator="cpu", timeout_s=60)
+    try:
+        model, prepared = run.prepare(torch.nn.Linear(8, 8), torch.optim.SGD(bare.parameters(), lr=1e-3))
+
+        def wrapped() -> None:
+            run.forward_backward(model, x, y, loss)
+            prepared.step()
+            prepared.zero_grad()
+
+        with _threads(1):
+            base = min(_timed(plain, 1) for _ in range(repeats))
+            through = min(_timed(wrapped, 1) for _ in range(repeats))
+    finally:
+        run.close()
+    return max(0.0, through - base)
+
+
+def _memory_bandwidth() -> float:
+    with _threads(1):
+        src = torch.ones(2**24)
+        dst = torch.empty_like(src)
+        seconds = min(_timed(lambda: dst.copy_(src), 1) for _ in range(3))
+    return 2 * src.numel() * 4 / seconds  # read + write
+
+
+class _threads:
+    def __init__(self, n: int) -> None:
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_num_threads(self.before)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def total_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8.0 * GIB
+
+
+def measure(timeout: float = 300.0, repeats: int = 5, sizes: tuple[int, ...] = SIZES,
+            say: Callable[[str], None] = print) -> Cluster:
+    """This machine as a `Cluster` of CPU workers, measured now (about 10-30 s)."""
+    from ..launcher.spawn import launch
+
+    say(f"paratrain plan: measuring this machine (2 gloo workers, {len(sizes)} message sizes per collective)")
+    found = launch(worker, sizes, repeats, nproc=2, timeout=timeout, accelerator="cpu", prefix_output=False)
+    p = int(found["world"])
+    collectives = {kind: fit(kind, p, points) for kind, points in found["sweep"].items()}
+    p2p_alpha, p2p_beta = collectives["p2p"]
+    peak, curve = _matmul_curve()
+    cores = usable_cores()
+    # A 2-stage GPipe step is 2M + 2 action slots long on its critical path, each slot also paying one send.
+    slots = 2 * _PIPE_MICROBATCHES + 2
+    action = max(0.0, found["pipeline_step_s"] / slots - p2p_alpha)
+    loopback = Link(bandwidth=1.0 / max(p2p_beta, 1e-12), latency=p2p_alpha)
+    return Cluster(
+        name="local", kind="cpu", devices_per_node=cores, nodes=1,
+        description=f"this machine measured: {cores} CPU worker(s), one thread each, gloo over loopback",
+        peak_flops={"32": peak, "bf16": peak, "16": peak}, memory=total_memory() / cores,
+        memory_bandwidth=_memory_bandwidth(), intra=loopback, inter=loopback,
+        efficiency=tuple((x, y) for x, y in curve),
+        overlap=0.0, process_bytes=float(found["resident_bytes"]), reserved=0.0, action_overhead=action,
+        step_overhead=_framework_overhead(),
+        collectives=collectives, measured_here=True,
+    )

@@ -1,0 +1,146 @@
+"""What one layer costs: time, FLOPs and memory, per sample, and its time on a given cluster.
+
+A model is a chain of layers (the children a pipeline would split it between). Each layer carries
+counted FLOPs (forward, backward, and the share of backward that computes weight gradients, which a
+zero-bubble schedule runs separately), parameter bytes, the activation bytes autograd saves for
+backward and the bytes it hands to the next layer, all per sample. A layer measured on this machine
+also carries its forward and backward seconds at the micro-batch sizes the layouts need.
+
+On the machine that measured them, those seconds are the prediction (interpolated between measured
+sizes): small micro-batches run far below peak and only a measurement says how far. Elsewhere the
+time is counted FLOPs over the device's peak times the efficiency the cluster spec gives for a layer
+call of that size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .cluster import Cluster
+
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
+"""fp32 state tensors per parameter: plain SGD none, SGD with momentum one, Adam/AdamW two."""
+OPTIMIZER_TRAFFIC = {"sgd": 12, "momentum": 20, "adam": 28}
+"""Bytes per parameter an optimizer step streams (read param, grad and states, write param and states)."""
+
+
+@dataclass(kw_only=True)
+class LayerCost:
+    name: str
+    params: int
+    param_bytes: int
+    flops_fwd: float
+    """FLOPs of the forward pass, per sample."""
+    flops_bwd: float
+    """FLOPs of the backward pass (input and weight gradients), per sample."""
+    weight_share: float = 0.5
+    """Share of the backward that computes weight gradients (a zero-bubble W action)."""
+    activation_bytes: float = 0.0
+    """Bytes saved for backward, per sample."""
+    output_bytes: float = 0.0
+    """Bytes of the output (what a pipeline sends to the next stage), per sample."""
+    seconds: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Micro-batch size -> (forward, backward) seconds measured on this machine."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["seconds"] = {str(k): list(v) for k, v in self.seconds.items()}
+        return out
+
+
+@dataclass(kw_only=True)
+class Profile:
+    """A model as the planner sees it."""
+
+    name: str
+    layers: list[LayerCost]
+    sample_bytes: float
+    """Input plus target bytes per sample (every pipeline rank holds its batch of both)."""
+    tokens_per_sample: int = 1
+    source: str = "measured"
+    """"measured" here, or "analytic" (formulas for a model that is never built)."""
+    precision: str = "32"
+    """Precision the seconds were measured at."""
+    optimizer: str = "adam"
+    optimizer_s_per_param: float | None = None
+    """Seconds per parameter of one optimizer step, measured here (None: from memory bandwidth)."""
+    step_overhead_s: float = 0.0
+    """Per forward-backward call, measured: the whole step minus its layers (Python, hooks, loss glue)."""
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def flops_per_sample(self) -> float:
+        return sum(layer.flops_fwd + layer.flops_bwd for layer in self.layers)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{k: v for k, v in asdict(self).items() if k != "layers"},
+                "params": self.params, "layers": [layer.as_dict() for layer in self.layers]}
+
+
+def _interpolate(seconds: dict[int, tuple[float, float]], b: int) -> tuple[float, float]:
+    """Measured (forward, backward) at micro-batch b: exact, linear between the nearest sizes, or scaled
+    in proportion to b from the nearest one outside the measured range."""
+    if b in seconds:
+        return seconds[b]
+    sizes = sorted(seconds)
+    below = [s for s in sizes if s < b]
+    above = [s for s in sizes if s > b]
+    if below and above:
+        lo, hi = below[-1], above[0]
+        w = (b - lo) / (hi - lo)
+        return tuple(x + w * (y - x) for x, y in zip(seconds[lo], seconds[hi]))  # type: ignore[return-value]
+    near = below[-1] if below else above[0]
+    return tuple(t * b / near for t in seconds[near])  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    forward: float
+    backward: float
+    weight_share: float
+
+    @property
+    def input_grad(self) -> float:
+        return self.backward * (1 - self.weight_share)
+
+    @property
+    def weight_grad(self) -> float:
+        return self.backward * self.weight_share
+
+
+def layer_time(layer: LayerCost, b: int, cluster: Cluster, precision: str, measured: bool) -> LayerTime:
+    """Seconds of `layer` on micro-batch `b` on one device of `cluster`."""
+    if measured and layer.seconds:
+        fwd, bwd = _interpolate(layer.seconds, b)
+        return LayerTime(fwd, bwd, layer.weight_share)
+    peak = cluster.peak(precision)
+    fwd_flops, bwd_flops = layer.flops_fwd * b, layer.flops_bwd * b
+    fwd = fwd_flops / (peak * cluster.efficiency_at(fwd_flops)) if fwd_flops else 0.0
+    bwd = bwd_flops / (peak * cluster.efficiency_at(bwd_flops)) if bwd_flops else 0.0
+    return LayerTime(fwd, bwd, layer.weight_share)
+
+
+def uses_measurements(profile: Profile, cluster: Cluster, precision: str) -> bool:
+    """Measured seconds apply only on the machine that took them, at the precision they were taken at."""
+    return cluster.measured_here and profile.source == "measured" and profile.precision == precision
+
+
+def times(profile: Profile, b: int, cluster: Cluster, precision: str) -> list[LayerTime]:
+    measured = uses_measurements(profile, cluster, precision)
+    return [layer_time(layer, b, cluster, precision, measured) for layer in profile.layers]
+
+
+def optimizer_time(profile: Profile, params: float, cluster: Cluster, optimizer: str) -> float:
+    """Seconds of one optimizer step over `params` parameters held by one worker."""
+    if profile.optimizer_s_per_param is not None and cluster.measured_here and profile.optimizer == optimizer:
+        return params * profile.optimizer_s_per_param
+    bandwidth = cluster.memory_bandwidth or 1e11
+    return params * OPTIMIZER_TRAFFIC[optimizer] / bandwidth
+

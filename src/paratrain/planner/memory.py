@@ -1,0 +1,68 @@
+"""Memory of the busiest worker of a layout, by what holds it.
+
+paratrain keeps parameters in float32 whatever the precision (autocast casts inside the forward), so
+gradients are float32 too and an optimizer state tensor is 4 bytes per parameter. What each strategy
+adds:
+
+    ddp      a second copy of the gradients in DDP's all-reduce buckets
+    fsdp     parameters, gradients and optimizer state divided by the replicas, plus the unit being
+             computed and the one prefetched whole; inside an accumulation window gradients stay whole
+    pp       its stages' parameters; activations of as many micro-batches as the schedule keeps in
+             flight (read off the simulated action order); every rank holds the replica's batch
+    ddp+pp   the same, plus the flat copy the gradient all-reduce after the schedule makes
+
+Activations are the bytes autograd saves for backward (measured, or counted for an analytic model),
+plus the gradients in flight during backward (twice the largest layer output). `process` is what a
+worker holds before the model, as the cluster spec says the measurement counts it. On CPU workers a
+pipeline rank also keeps the high-water mark of its build (`retained`): before keeping its stages it
+runs every layer of the whole model on one micro-batch to balance them, with trial gradients for all
+parameters, and a process's resident set does not shrink after freeing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .costs import OPTIMIZER_STATES
+
+FLOAT32 = 4
+
+
+@dataclass
+class Memory:
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+    """Communication buffers and transient copies (DDP buckets, FSDP gathered units, flat gradients)."""
+    data: float = 0.0
+    """The batch this worker holds (inputs and targets)."""
+    process: float = 0.0
+    retained: float = 0.0
+    """What a CPU worker keeps from an earlier, larger peak: its resident set does not shrink when memory
+    is freed, and a pipeline rank first measures every layer of the whole model on one micro-batch."""
+    in_flight: int = 1
+    """Micro-batches whose activations are held at once (pipelines)."""
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.activations + self.buffers + self.data + self.process
+                + self.retained)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def model_state(param_bytes: float, params: float, optimizer: str, shard: int = 1) -> Memory:
+    """Parameters, gradients and optimizer state of `params` parameters, divided over `shard` workers; Adam's
+    step also makes one parameter-sized temporary (the square root of its second moment)."""
+    states = OPTIMIZER_STATES[optimizer] * FLOAT32 * params
+    temporary = FLOAT32 * params if optimizer == "adam" else 0.0
+    return Memory(params=param_bytes / shard, grads=param_bytes / shard, optimizer=(states + temporary) / shard)
+
+
+def activations(per_sample: float, largest_output_per_sample: float, batch: float) -> float:
+    """Saved activations of one micro-batch through the layers, plus the gradients in flight in backward."""
+    return (per_sample + 2 * largest_output_per_sample) * batch

@@ -1,0 +1,243 @@
+"""Predict one layout's step: time, where it goes, and memory of its busiest worker.
+
+    step = compute + exposed communication + pipeline bubble + optimizer + per-call overhead
+
+Compute is the layers' forward and backward at the micro-batch size this layout runs (`costs`). Data
+parallelism overlaps its gradient all-reduce with the backward, bucket by bucket (`schedules.ddp_backward`);
+FSDP gathers each unit's parameters one unit ahead and reduce-scatters its gradients behind
+(`schedules.fsdp_step`); pipelines run torch's own action lists (`schedules.simulate`), stages cut by the
+same time balance paratrain uses at run time, and ddp+pp then all-reduces every stage's gradients over
+its replicas, after the schedule, as paratrain does. Every data-parallel step also all-reduces its loss.
+
+CPU workers beyond the machine's cores share them: such a step takes at least all workers' work
+divided by the cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ParatrainError
+from ..parallel.balance import solve
+from ..parallel.pipelining import check_layout
+from . import costs, memory, schedules
+from .cluster import GIB, Cluster
+from .comm import Group, collective_time, p2p_time, pipeline_groups
+from .costs import Profile
+from .layout import Layout
+from .memory import Memory
+
+LOSS_BYTES = 4
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    """Forward and backward seconds of the busiest worker (pipelines: with each action's runtime overhead)."""
+    exposed_comm_s: float = 0.0
+    """Communication the compute did not hide."""
+    bubble: float = 0.0
+    """Share of the step pipeline ranks sit idle, on average."""
+    optimizer_s: float = 0.0
+    overhead_s: float = 0.0
+    memory: Memory = field(default_factory=Memory)
+    fits: bool = True
+    reason: str | None = None
+    balance: list[int] | None = None
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    """Model FLOPs per second over the devices' peak."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout.as_dict(), "step_s": self.step_s, "samples_per_s": self.samples_per_s,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "compute_s": self.compute_s,
+                "exposed_comm_s": self.exposed_comm_s, "bubble": self.bubble, "optimizer_s": self.optimizer_s,
+                "overhead_s": self.overhead_s, "memory": self.memory.as_dict(), "fits": self.fits,
+                "reason": self.reason, "balance": self.balance}
+
+
+def problem(layout: Layout, profile: Profile, batch: int, cluster: Cluster) -> str | None:
+    """Why this layout cannot run at this global batch on this cluster (None: it can)."""
+    if layout.devices > cluster.devices and cluster.kind == "cuda":
+        return f"needs {layout.devices} devices, the cluster has {cluster.devices}"
+    parts = layout.dp * (layout.microbatches if layout.strategy in ("pp", "ddp+pp", "mp") else layout.grad_accum)
+    if batch % parts:
+        return (f"global batch {batch} does not split into {layout.dp} replica(s) x {parts // layout.dp} "
+                f"{'micro-batches' if layout.strategy in ('pp', 'ddp+pp', 'mp') else 'accumulation steps'}")
+    if layout.strategy in ("pp", "ddp+pp", "mp") and len(profile.layers) < layout.stages:
+        return f"the model has {len(profile.layers)} layers, fewer than the {layout.stages} stages"
+    if layout.strategy in ("pp", "ddp+pp") and layout.precision == "16":
+        return "pipelines refuse precision '16' (the loss scaler cannot scale a loss the schedule computes); use bf16"
+    if layout.strategy in ("pp", "ddp+pp"):
+        schedule, m = layout.schedule or "1f1b", layout.microbatches
+        try:
+            check_layout(schedule, layout.pp, layout.stages_per_worker, m)
+        except ParatrainError as exc:
+            return str(exc).split(";")[0]
+        if schedule in ("interleaved-1f1b", "zero-bubble") and m % max(1, m // layout.pp):
+            return f"{schedule} runs whole rounds of micro-batches: {m} is not a multiple of {max(1, m // layout.pp)}"
+    return None
+
+
+def capacity(cluster: Cluster, layout: Layout) -> float:
+    """Bytes one worker may use: its device's, or a share of the machine when CPU workers outnumber cores."""
+    if cluster.kind == "cpu" and layout.processes > cluster.devices:
+        return cluster.memory * cluster.devices / layout.processes
+    return cluster.memory
+
+
+def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str = "adam") -> Prediction:
+    """The predicted step of `layout` training `profile` at global batch `batch` on `cluster`."""
+    why = problem(layout, profile, batch, cluster)
+    if why is not None:
+        return Prediction(layout, fits=False, reason=why)
+    if layout.strategy in ("pp", "ddp+pp") or (layout.strategy == "mp" and cluster.kind == "cuda"):
+        out = _pipeline(profile, layout, cluster, batch, optimizer)
+    elif layout.strategy == "mp":
+        out = _serial_pipeline(profile, layout, cluster, batch, optimizer)
+    else:
+        out = _data_parallel(profile, layout, cluster, batch, optimizer)
+    out.memory.process = cluster.process_bytes
+    needed, available = out.memory.total + cluster.reserved, capacity(cluster, layout)
+    if available and needed > available:
+        out.fits = False
+        state = out.memory.params + out.memory.grads + out.memory.optimizer
+        out.reason = (f"needs {needed / GIB:.1f} GiB per worker, {available / GIB:.1f} GiB available "
+                      f"(parameters+gradients+optimizer {state / GIB:.1f}, "
+                      f"activations {out.memory.activations / GIB:.1f})")
+    out.samples_per_s = batch / out.step_s if out.step_s else 0.0
+    out.tokens_per_s = out.samples_per_s * profile.tokens_per_sample
+    peak = cluster.peak_flops.get(layout.precision, 0.0)
+    if peak and out.step_s:
+        out.mfu = profile.flops_per_sample() * batch / (out.step_s * layout.devices * peak)
+    return out
+
+
+def _call_overhead(profile: Profile, cluster: Cluster, layout: Layout) -> float:
+    """Per `run.forward_backward` call: paratrain's loop, and the model's own glue when measured here."""
+    model = profile.step_overhead_s if costs.uses_measurements(profile, cluster, layout.precision) else 0.0
+    return cluster.step_overhead + model
+
+
+def _loss_reduce(cluster: Cluster, layout: Layout) -> float:
+    world = Group(layout.devices, layout.devices > cluster.devices_per_node)
+    return collective_time(cluster, "all_reduce", LOSS_BYTES, world)
+
+
+def _shared_cores(step: float, work: float, cluster: Cluster, layout: Layout) -> float:
+    if cluster.kind == "cpu" and layout.processes > cluster.devices:
+        return max(step, work / cluster.devices)
+    return step
+
+
+def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
+    dp, accum, sharded = layout.dp, layout.grad_accum, layout.strategy == "fsdp"
+    b = batch // (dp * accum)
+    lt = costs.times(profile, b, cluster, layout.precision)
+    fwd, bwd = [t.forward for t in lt], [t.backward for t in lt]
+    unit = [float(layer.param_bytes) for layer in profile.layers]
+    group = Group(dp, dp > cluster.devices_per_node)
+    reduce = lambda kind: (lambda n: collective_time(cluster, kind, n, group))  # noqa: E731
+    if sharded:
+        quiet = schedules.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap,
+                                    sync=False)
+        last = schedules.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap)
+        body, exposed = (accum - 1) * quiet.end + last.end, (accum - 1) * quiet.exposed + last.exposed
+    else:
+        last = schedules.ddp_backward(bwd, unit, reduce("all_reduce"), cluster.overlap)
+        body = (accum - 1) * (sum(fwd) + sum(bwd)) + sum(fwd) + last.end
+        exposed = last.exposed
+    call = _call_overhead(profile, cluster, layout)
+    overhead = accum * (call + (_loss_reduce(cluster, layout) if dp > 1 else 0.0))
+    opt = costs.optimizer_time(profile, profile.params / (dp if sharded else 1), cluster, optimizer)
+    step = body + overhead + opt
+    mem = memory.model_state(profile.param_bytes, profile.params, optimizer, dp if sharded else 1)
+    largest = max(unit)
+    if sharded:
+        mem.buffers = 3 * largest + (profile.param_bytes * (1 - 1 / dp) if accum > 1 else 0.0)
+    elif dp > 1:
+        mem.buffers = profile.param_bytes  # DDP's buckets hold a copy of every gradient
+    mem.activations = memory.activations(sum(layer.activation_bytes for layer in profile.layers),
+                                         max(layer.output_bytes for layer in profile.layers), b)
+    mem.data = profile.sample_bytes * b
+    compute = accum * (sum(fwd) + sum(bwd))
+    return Prediction(layout, step_s=_shared_cores(step, dp * step, cluster, layout), compute_s=compute,
+                      exposed_comm_s=exposed + (overhead - accum * call), optimizer_s=opt, overhead_s=accum * call,
+                      memory=mem)
+
+
+def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int,
+                 send: Callable[[float], float]) -> list[schedules.StageCost]:
+    out, start = [], 0
+    for count in balance:
+        part = range(start, start + count)
+        backward = sum(lt[i].backward for i in part)
+        weight = sum(lt[i].weight_grad for i in part)
+        out.append(schedules.StageCost(
+            forward=sum(lt[i].forward for i in part), backward=backward,
+            weight_share=weight / backward if backward else 0.5,
+            activation_bytes=sum(profile.layers[i].activation_bytes for i in part) * b,
+            send=send(profile.layers[start + count - 1].output_bytes * b)))
+        start += count
+    return out
+
+
+def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
+    dp, pp, per_worker, micro = layout.dp, layout.pp, layout.stages_per_worker, layout.microbatches
+    schedule = layout.schedule or "gpipe"
+    b = batch // (dp * micro)
+    lt = costs.times(profile, b, cluster, layout.precision)
+    balance = solve([t.forward + t.backward for t in lt], layout.stages)
+    dp_group, pp_group = pipeline_groups(cluster, dp, pp)
+    stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes))
+    where = schedules.stage_ranks(schedule, pp, per_worker)
+    run = schedules.run_schedule(schedule, pp, per_worker, micro, stages, cluster.action_overhead, cluster.overlap)
+    starts = [sum(balance[:s]) for s in range(len(balance))]
+    rank_params = [0.0] * pp
+    rank_bytes = [0.0] * pp
+    for s, count in enumerate(balance):
+        for layer in profile.layers[starts[s] : starts[s] + count]:
+            rank_params[where[s]] += layer.params
+            rank_bytes[where[s]] += layer.param_bytes
+    grads = max(collective_time(cluster, "all_reduce", n, dp_group) for n in rank_bytes) if dp > 1 else 0.0
+    loss = _loss_reduce(cluster, layout) if layout.processes > 1 else 0.0
+    opts = [costs.optimizer_time(profile, n, cluster, optimizer) for n in rank_params]
+    step = run.step + grads + loss + max(opts) + cluster.step_overhead
+    work = dp * (sum(run.busy) + pp * (grads + loss + cluster.step_overhead) + sum(opts))
+    largest_output = max(layer.output_bytes for layer in profile.layers) * b
+    worst = max(range(pp), key=lambda r: rank_bytes[r] + run.activation_peak[r])
+    mem = memory.model_state(rank_bytes[worst], rank_params[worst], optimizer)
+    mem.activations = run.activation_peak[worst] + 2 * largest_output
+    mem.in_flight = run.in_flight[worst]
+    mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
+    mem.data = profile.sample_bytes * batch / dp
+    if cluster.kind == "cpu":  # the balance's trial run of the whole model stays resident (see memory.py)
+        build = profile.param_bytes + memory.activations(sum(x.activation_bytes for x in profile.layers),
+                                                         max(x.output_bytes for x in profile.layers), b)
+        mem.retained = max(0.0, build - mem.activations - mem.grads)
+    return Prediction(layout, step_s=_shared_cores(step, work, cluster, layout), compute_s=max(run.busy),
+                      exposed_comm_s=grads + loss + run.comm_wait, bubble=run.bubble, optimizer_s=max(opts),
+                      overhead_s=cluster.step_overhead, memory=mem, balance=balance)
+
+
+def _serial_pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
+    """`mp` with every stage on the one CPU: the micro-batches run one after another."""
+    micro = layout.microbatches
+    b = batch // micro
+    lt = costs.times(profile, b, cluster, layout.precision)
+    compute = micro * sum(t.forward + t.backward for t in lt)
+    call = _call_overhead(profile, cluster, layout)
+    opt = costs.optimizer_time(profile, profile.params, cluster, optimizer)
+    mem = memory.model_state(profile.param_bytes, profile.params, optimizer)
+    mem.activations = memory.activations(sum(layer.activation_bytes for layer in profile.layers) * micro,
+                                         max(layer.output_bytes for layer in profile.layers), b)
+    mem.in_flight = micro
+    mem.data = profile.sample_bytes * batch
+    balance = solve([t.forward + t.backward for t in lt], layout.stages)
+    return Prediction(layout, step_s=compute + call + opt, compute_s=compute, optimizer_s=opt, overhead_s=call,
+                      memory=mem, balance=balance)

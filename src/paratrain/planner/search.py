@@ -1,0 +1,168 @@
+"""Which layouts to predict, without enumerating blindly.
+
+For N devices: data parallelism (ddp, fsdp) over all N, with the fewest gradient-accumulation steps
+that fit in memory; pipelines of P ranks (pp when P = N, ddp+pp with N / P replicas otherwise) for
+each divisor P of N up to the number of layers, each schedule, stages per worker up to what the layers
+allow; and `mp` inside one node. Three prunings keep 1,024 devices to seconds:
+
+- a degree whose parameters, gradients and optimizer state alone exceed a device is predicted once,
+  as the reason it does not fit, and no micro-batch count or schedule is tried for it;
+- micro-batch counts are tried in growing powers of two (the schedule's minimum first) and the sweep
+  stops once the step time has risen twice in a row while fitting (step time over M has one minimum:
+  the bubble shrinks as 1/M while the per-micro-batch cost grows);
+- data parallelism stops adding accumulation steps at the first count that fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
+
+from .cluster import Cluster
+from .costs import Profile
+from .layout import STRATEGIES, Layout
+from .memory import model_state
+from .predict import Prediction, capacity, predict
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+MAX_STAGES_PER_WORKER = 4
+ALL = STRATEGIES
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _powers(low: int, high: int) -> Iterator[int]:
+    m = 1
+    while m <= high:
+        if m >= low:
+            yield m
+        m *= 2
+
+
+def _state_too_big(profile: Profile, cluster: Cluster, layout: Layout, optimizer: str,
+                   params_share: float) -> str | None:
+    state = model_state(profile.param_bytes * params_share, profile.params * params_share, optimizer)
+    needed = state.params + state.grads + state.optimizer + cluster.process_bytes + cluster.reserved
+    available = capacity(cluster, layout)
+    if available and needed > available:
+        return (f"parameters, gradients and optimizer state alone need {needed / 2**30:.1f} GiB per worker, "
+                f"{available / 2**30:.1f} GiB available")
+    return None
+
+
+def _data_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
+                   strategy: str) -> list[Prediction]:
+    dp = n if strategy != "single" else 1
+    base = Layout(strategy=strategy, dp=dp, precision=precision)
+    if batch % dp:
+        return [Prediction(base, fits=False, reason=f"global batch {batch} does not split over {dp} replicas")]
+    too_big = _state_too_big(profile, cluster, base, optimizer, 1.0 / dp if strategy == "fsdp" else 1.0)
+    if too_big:
+        return [Prediction(base, fits=False, reason=too_big)]
+    last = None
+    for accum in _divisors(batch // dp):
+        last = predict(profile, Layout(strategy=strategy, dp=dp, grad_accum=accum, precision=precision), cluster,
+                       batch, optimizer)
+        if last.fits:
+            break
+    return [last] if last else []
+
+
+def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> Iterator[int]:
+    low = pp * per_worker if schedule == "1f1b" else 1
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        low = pp
+    for m in _powers(low, per_replica):
+        if per_replica % m == 0:
+            yield m
+
+
+def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
+               strategies: Sequence[str], schedules: Sequence[str]) -> list[Prediction]:
+    out: list[Prediction] = []
+    layers = len(profile.layers)
+    for pp in _divisors(n):
+        dp = n // pp
+        strategy = "pp" if dp == 1 else "ddp+pp"
+        if pp < 2 or pp > layers or strategy not in strategies or batch % dp:
+            continue
+        probe = Layout(strategy=strategy, dp=dp, pp=pp, schedule="1f1b", microbatches=pp, precision=precision)
+        too_big = _state_too_big(profile, cluster, probe, optimizer, 1.0 / pp)
+        if too_big:
+            out.append(Prediction(probe, fits=False, reason=too_big))
+            continue
+        for schedule in schedules:
+            for per_worker in range(1, MAX_STAGES_PER_WORKER + 1):
+                if (per_worker > 1) != (schedule in ("interleaved-1f1b", "zero-bubble")) or pp * per_worker > layers:
+                    continue
+                out += _sweep_microbatches(profile, cluster, batch, optimizer, Layout(
+                    strategy=strategy, dp=dp, pp=pp, stages_per_worker=per_worker, schedule=schedule,
+                    precision=precision))
+    return out
+
+
+def _sweep_microbatches(profile: Profile, cluster: Cluster, batch: int, optimizer: str,
+                        base: Layout) -> list[Prediction]:
+    found: list[Prediction] = []
+    best, rises = float("inf"), 0
+    for m in _micro_counts(base.schedule or "1f1b", base.pp, base.stages_per_worker, batch // base.dp):
+        layout = replace(base, microbatches=m)
+        result = predict(profile, layout, cluster, batch, optimizer)
+        if result.reason and not result.fits and "GiB" not in result.reason:
+            continue  # a count this schedule refuses
+        found.append(result)
+        if result.fits:
+            rises = rises + 1 if result.step_s > best else 0
+            best = min(best, result.step_s)
+            if rises >= 2:
+                break
+    fitting = [p for p in found if p.fits]
+    return sorted(fitting, key=lambda p: p.step_s)[:3] if fitting else found[-1:]
+
+
+def _model_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str,
+                    optimizer: str) -> list[Prediction]:
+    if n < 2 or n > cluster.devices_per_node or n > len(profile.layers):
+        return []
+    base = Layout(strategy="mp", pp=n, precision=precision)
+    return _sweep_microbatches(profile, cluster, batch, optimizer, base)
+
+
+def layouts(profile: Profile, cluster: Cluster, batch: int, *, precision: str = "32", optimizer: str = "adam",
+            devices: int | None = None, strategies: Iterable[str] = ALL,
+            schedules: Sequence[str] = PIPELINE_SCHEDULES) -> list[Prediction]:
+    """Predictions for every layout worth trying on `devices` devices (default: the whole cluster): those
+    that fit, fastest first, then those that do not, each with its reason."""
+    n = devices or cluster.devices
+    wanted = set(strategies)
+    found: list[Prediction] = []
+    if n == 1 and "single" in wanted:
+        found += _data_parallel(profile, cluster, 1, batch, precision, optimizer, "single")
+    for strategy in ("ddp", "fsdp"):
+        if n > 1 and strategy in wanted:
+            found += _data_parallel(profile, cluster, n, batch, precision, optimizer, strategy)
+    if n > 1:
+        found += _pipelines(profile, cluster, n, batch, precision, optimizer, sorted(wanted), schedules)
+    if "mp" in wanted and cluster.kind == "cuda":
+        found += _model_parallel(profile, cluster, n, batch, precision, optimizer)
+    fitting = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
+    return fitting + [p for p in found if not p.fits]
+
+
+def best_by_strategy(predictions: Iterable[Prediction]) -> dict[str, Prediction]:
+    best: dict[str, Prediction] = {}
+    for p in predictions:
+        if p.fits and (p.layout.strategy not in best or p.step_s < best[p.layout.strategy].step_s):
+            best[p.layout.strategy] = p
+    return best
+
+
+def scaling(profile: Profile, cluster: Cluster, batch: int, *, precision: str = "32", optimizer: str = "adam",
+            strategies: Iterable[str] = ALL) -> dict[int, dict[str, Prediction]]:
+    """The best layout of each strategy at 1, 2, 4, ... devices up to the cluster's size (for the plot)."""
+    counts = [n for n in _powers(1, cluster.devices)
+              if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0]
+    return {n: best_by_strategy(layouts(profile, cluster.resized(n), batch, precision=precision, optimizer=optimizer,
+                                        devices=n, strategies=strategies)) for n in counts}

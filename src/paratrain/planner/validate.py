@@ -1,0 +1,207 @@
+"""`paratrain plan --validate`: run every layout this machine can hold and compare with the prediction.
+
+Each layout runs in fresh worker processes (`paratrain.launch`), so one layout's memory is never counted
+in the next one's peak, through the public API a training script uses: `paratrain.setup(**the layout's
+arguments)`, `run.prepare`, `run.forward_backward`, `optimizer.step()`. A step's time is the slowest
+worker's; the reported time is the median over the timed steps, and the peak is the largest worker's
+(CUDA: allocated bytes; CPU: resident set, which is what the local cluster spec's `process_bytes`
+counts from). `measure_layout` is the one seam to the runner: it can be pointed at `paratrain bench`.
+
+`validation.json` is a list of records, one per layout:
+
+    {"layout": "pp 2 (1f1b, M=4)", "predicted_step_s", "measured_step_s", "predicted_peak_bytes",
+     "measured_peak_bytes", "step_error", "memory_error", "status": "ok" | "failed" | "cannot-run", "reason"}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..bench.timing import time_steps
+from ..errors import ParatrainError
+from .cluster import Cluster
+from .costs import Profile
+from .layout import Layout
+from .predict import predict
+
+MICROBATCHES = (1, 2, 4, 8)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+
+
+def local_layouts(precision: str = "32") -> list[Layout]:
+    """What fits a 2-core machine: single, ddp 2, fsdp 2, pp 2 at M in {1, 2, 4, 8} for each schedule
+    (interleaved and zero-bubble with 2 stages per worker), mp 2, and ddp+pp 2 x 2."""
+    out = [Layout(strategy="single", precision=precision), Layout(strategy="ddp", dp=2, precision=precision),
+           Layout(strategy="fsdp", dp=2, precision=precision)]
+    for schedule in SCHEDULES:
+        per_worker = 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+        out += [Layout(strategy="pp", pp=2, schedule=schedule, stages_per_worker=per_worker, microbatches=m,
+                       precision=precision) for m in MICROBATCHES]
+    out += [Layout(strategy="mp", pp=2, microbatches=m, precision=precision) for m in (1, 4)]
+    out += [Layout(strategy="ddp+pp", dp=2, pp=2, schedule="1f1b", microbatches=m, precision=precision)
+            for m in (2, 4)]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    workload: str
+    batch: int
+    optimizer: str = "adam"
+    steps: int = 5
+    warmup: int = 2
+    repeat: int = 2
+    timeout_s: float = 600.0
+
+
+@dataclass
+class Measured:
+    step_s: float
+    peak_bytes: float
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if name == "momentum" else 0.0)
+
+
+def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str, Any]:
+    """One layout in every worker: the user's loop through the public API, timed."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import paratrain
+
+    from ..bench import workloads
+
+    run = paratrain.setup(**options, seed=0, timeout_s=settings.timeout_s)
+    workload = workloads.get(settings.workload)
+    model = workload.model()
+    optimizer = _optimizer(settings.optimizer, model.parameters())
+    data = workload.data(settings.batch)
+    loader = run.prepare_loader(DataLoader(TensorDataset(*data), batch_size=run.per_worker_batch(settings.batch)))
+    inputs, targets = (t.clone().to(run.device) for t in next(iter(loader)))
+    del data, loader  # only this worker's batch stays, as in a real loop
+    model, optimizer = run.prepare(model, optimizer, example=inputs)
+    loss_fn = workload.loss()
+
+    def step() -> None:
+        for _ in range(accum):
+            run.forward_backward(model, inputs, targets, loss_fn)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(settings.warmup):
+        step()
+    times: list[float] = []
+    peak = 0.0
+    for _ in range(settings.repeat):  # the bench's harness: each step's time is the slowest worker's
+        block, peak_mb = time_steps(step, settings.steps, [run.device], run.device)
+        times += block
+        peak = max(peak, peak_mb * 2**20)
+    run.close()
+    return {"step_times_s": times, "peak_bytes": peak}
+
+
+def measure_layout(layout: Layout, cluster: Cluster, settings: Settings) -> Measured:
+    """The seam to the runner: one layout measured on this machine."""
+    from ..launcher.spawn import launch
+
+    out = launch(worker, layout.setup_kwargs(cluster), settings, layout.grad_accum, nproc=layout.processes,
+                 timeout=settings.timeout_s,
+                 accelerator="cuda" if cluster.kind == "cuda" else "cpu", prefix_output=False)
+    return Measured(step_s=statistics.median(out["step_times_s"]), peak_bytes=out["peak_bytes"])
+
+
+def _error(predicted: float, measured: float | None) -> float | None:
+    return None if not measured else predicted / measured - 1
+
+
+def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[Layout],
+        measure: Callable[[Layout, Cluster, Settings], Measured] = measure_layout,
+        say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Predict and measure each layout; one record each (see the module docstring)."""
+    if not cluster.measured_here:
+        raise ParatrainError(f"--validate runs the layouts on this machine, but cluster {cluster.name!r} describes "
+                             "other hardware; use --cluster local (or the cluster-local.json it wrote)")
+    records = []
+    for i, layout in enumerate(layouts, 1):
+        p = predict(profile, layout, cluster, settings.batch, settings.optimizer)
+        record: dict[str, Any] = {"layout": layout.label, **{k: v for k, v in layout.as_dict().items() if k != "label"},
+                                  "predicted_step_s": p.step_s or None, "measured_step_s": None,
+                                  "predicted_peak_bytes": p.memory.total if p.step_s else None,
+                                  "measured_peak_bytes": None, "step_error": None, "memory_error": None,
+                                  "status": "ok", "reason": None}
+        if p.reason is not None and not p.reason.startswith("needs"):
+            record.update(status="cannot-run", reason=p.reason)
+            say(f"[{i}/{len(layouts)}] {layout.label}: cannot run ({p.reason})")
+            records.append(record)
+            continue
+        start = time.monotonic()
+        try:
+            got = measure(layout, cluster, settings)
+        except ParatrainError as exc:
+            lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+            record.update(status="failed", reason=lines[-1][-400:] if lines else str(exc))
+            say(f"[{i}/{len(layouts)}] {layout.label}: failed ({record['reason']})")
+            records.append(record)
+            continue
+        record.update(measured_step_s=got.step_s, measured_peak_bytes=got.peak_bytes,
+                      step_error=_error(p.step_s, got.step_s), memory_error=_error(p.memory.total, got.peak_bytes))
+        say(f"[{i}/{len(layouts)}] {layout.label}: predicted {p.step_s:.4f} s, measured {got.step_s:.4f} s "
+            f"({record['step_error']:+.1%}); memory {p.memory.total / 2**20:.0f} / {got.peak_bytes / 2**20:.0f} MiB "
+            f"({record['memory_error']:+.1%})  [{time.monotonic() - start:.0f} s]")
+        records.append(record)
+    return records
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and worst absolute errors, and how far the predicted-fastest layout is from the fastest."""
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return {"layouts": 0}
+    steps = [abs(r["step_error"]) for r in ok]
+    mems = [abs(r["memory_error"]) for r in ok]
+    predicted_best = min(ok, key=lambda r: r["predicted_step_s"])
+    measured_best = min(ok, key=lambda r: r["measured_step_s"])
+    return {"layouts": len(ok), "step_median_abs_error": statistics.median(steps), "step_worst_abs_error": max(steps),
+            "memory_median_abs_error": statistics.median(mems), "memory_worst_abs_error": max(mems),
+            "predicted_fastest": predicted_best["layout"], "measured_fastest": measured_best["layout"],
+            "predicted_fastest_vs_measured_fastest":
+                predicted_best["measured_step_s"] / measured_best["measured_step_s"] - 1}
+
+
+def table(records: list[dict[str, Any]], created: str) -> str:
+    lines = [f"validation ({created}): predicted vs measured on this machine",
+             f"  {'layout':<36} {'pred. s':>9} {'meas. s':>9} {'error':>7} {'pred. MiB':>10} {'meas. MiB':>10} "
+             f"{'error':>7}"]
+    for r in records:
+        if r["status"] != "ok":
+            lines.append(f"  {r['layout']:<36} {r['status']}: {r['reason']}")
+            continue
+        lines.append(f"  {r['layout']:<36} {r['predicted_step_s']:>9.4f} {r['measured_step_s']:>9.4f} "
+                     f"{r['step_error']:>+7.1%} {r['predicted_peak_bytes'] / 2**20:>10.0f} "
+                     f"{r['measured_peak_bytes'] / 2**20:>10.0f} {r['memory_error']:>+7.1%}")
+    s = summary(records)
+    if s["layouts"]:
+        lines.append(f"  step time: median |error| {s['step_median_abs_error']:.1%}, "
+                     f"worst {s['step_worst_abs_error']:.1%} "
+                     f"(targets 5% / 15%); memory: median {s['memory_median_abs_error']:.1%}, worst "
+                     f"{s['memory_worst_abs_error']:.1%} (target 10%)")
+        lines.append(f"  predicted fastest {s['predicted_fastest']!r} is "
+                     f"{s['predicted_fastest_vs_measured_fastest']:+.1%} from the measured fastest "
+                     f"{s['measured_fastest']!r} (target within 5%)")
+    return "\n".join(lines)
+
+
+def write(records: list[dict[str, Any]], path: Path) -> Path:
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path

@@ -1,0 +1,118 @@
+"""The cells of the correctness matrix: every zoo model under every strategy layout, run by the user's
+loop through paratrain's public API; `test_matrix.py` compares each with the plain-PyTorch reference.
+
+One layout (a column) runs all its cells in one launch of its workers, one after the other, so worker
+start-up is paid once per column. A cell returns what its rank recorded, or the refusal it met.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zoo
+from zoo.reference import Optim, chunk, eval_batch, global_batches, to_device
+
+import paratrain
+
+EVAL_ROWS = 6
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One column: a strategy, its workers and options, and the micro-batch counts it is tried with."""
+
+    name: str
+    strategy: str
+    nproc: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+    microbatches: tuple[int | None, ...] = (None,)
+    sizes: tuple[int, ...] = (8, 8, 4)
+    """Rows of the global batches: two full ones and a short last one (an epoch's tail)."""
+
+
+LAYOUTS = [
+    Layout("single", "single"),
+    Layout("ddp", "ddp", 2),
+    Layout("fsdp", "fsdp", 2),
+    Layout("mp", "mp", 1, {"devices": ["cpu", "cpu"]}, (1, 4)),
+    Layout("pp-gpipe", "pp", 2, {"schedule": "gpipe"}, (1, 4)),
+    Layout("pp-1f1b", "pp", 2, {"schedule": "1f1b"}, (1, 4)),
+    Layout("pp-interleaved", "pp", 2, {"schedule": "interleaved-1f1b", "stages_per_worker": 2}, (1, 4)),
+    Layout("pp-zero-bubble", "pp", 2, {"schedule": "zero-bubble", "stages_per_worker": 2}, (1, 4)),
+    Layout("ddp+pp", "ddp+pp", 4, {"schedule": "gpipe"}, (1, 4), sizes=(16, 16, 8)),
+    Layout("ddp+mp", "ddp+mp", 2, {"devices_per_worker": 2}, (1, 4)),
+]
+BY_NAME = {layout.name: layout for layout in LAYOUTS}
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    layout: str
+    microbatches: int | None
+    precision: str = "fp32"
+
+    @property
+    def label(self) -> str:
+        m = f" M={self.microbatches}" if self.microbatches is not None else ""
+        p = " bf16" if self.precision == "bf16" else ""
+        return f"{self.model} / {self.layout}{m}{p}"
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict copies, whole tensors even where FSDP keeps DTensor shards (collective there)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        whole = getattr(value, "full_tensor", None)
+        out[key] = (whole() if whole is not None else value).detach().float().cpu().clone()
+    return out
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """The user's loop on one cell: losses and weights after every step, then an evaluation pass."""
+    layout = BY_NAME[cell.layout]
+    case = zoo.MODELS[cell.model]
+    options = dict(layout.options)
+    if cell.microbatches is not None:
+        options["microbatches"] = cell.microbatches
+    run = paratrain.setup(strategy=layout.strategy, seed=0, precision={"fp32": "32", "bf16": "bf16"}[cell.precision],
+                          timeout_s=120,
+                          accelerator="cpu", **options)
+    try:
+        replica, replicas = run.strategy.data_shard(run.ctx)
+        batches = global_batches(case, 0, layout.sizes)
+        model = case.build(0)
+        optimizer = Optim().make(model.parameters(), case)
+        mine = chunk(batches[0][0], replicas)[replica]
+        model, optimizer = run.prepare(model, optimizer, example=to_device(mine, run.device))
+        slow = case.has(zoo.case.SLOW)
+        losses, weights = [], []
+        for i, (inputs, targets) in enumerate(batches):
+            inputs, targets = (to_device(chunk(v, replicas)[replica], run.device) for v in (inputs, targets))
+            losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
+            optimizer.step()
+            optimizer.zero_grad()
+            if not slow or i == len(batches) - 1:
+                weights.append(full_state(run.unwrap(model)))
+        result: dict[str, Any] = {"losses": losses, "weights": weights, "rank": run.rank, "eval_loss": None}
+        if cell.microbatches in (None, 1) and cell.precision == "fp32":
+            x, y = eval_batch(case, rows=EVAL_ROWS)
+            x, y = (to_device(chunk(v, replicas)[replica], run.device) for v in (x, y))
+            result["eval_loss"] = float(run.evaluate(model, x, y, case.loss_fn))
+        return result
+    finally:
+        run.close()
+
+
+def run_column(cells: list[Cell]) -> dict[str, Any]:
+    """Every cell of one column in these workers: its result, or ("refused", message) for a ParatrainError.
+    A refusal is raised on every rank alike, so the ranks stay in step for the next cell."""
+    out: dict[str, Any] = {}
+    for cell in cells:
+        try:
+            out[cell.label] = ("ok", run_cell(cell))
+        except paratrain.ParatrainError as exc:
+            out[cell.label] = ("refused", str(exc))
+    return out

@@ -1,0 +1,288 @@
+"""The planner's cost model: alpha-beta collectives, cluster specs, memory accounting, the analytic GPT
+against torch's FLOP counter, layer profiling, and the search's pruning. Pure logic, no processes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.config import make_config
+from paratrain.errors import ParatrainError
+from paratrain.planner import cluster as clusters
+from paratrain.planner import comm, predict, search, transformer
+from paratrain.planner.costs import LayerCost, Profile
+from paratrain.planner.layout import Layout
+from paratrain.planner.profile import measure
+
+GIB = 2**30
+
+
+def _cluster(**changes: object) -> clusters.Cluster:
+    spec = {"name": "test", "kind": "cuda", "devices_per_node": 4, "nodes": 2,
+            "device": {"peak_tflops": {"32": 100, "bf16": 100}, "memory_gib": 16, "memory_bandwidth_gbps": 1000},
+            "intra_node": {"bandwidth_gbps": 100, "latency_us": 2},
+            "inter_node": {"bandwidth_gbps": 10, "latency_us": 10},
+            "efficiency": [[1, 1.0]], **changes}
+    return clusters.from_spec(spec)
+
+
+def _profile(layers: int = 8, params: int = 1000, act: float = 100.0, flops: float = 1e9) -> Profile:
+    layer = dict(params=params, param_bytes=4 * params, flops_fwd=flops, flops_bwd=2 * flops, weight_share=0.5,
+                 activation_bytes=act, output_bytes=act / 2)
+    return Profile(name="chain", layers=[LayerCost(name=str(i), **layer) for i in range(layers)], sample_bytes=8.0,
+                   source="analytic")
+
+
+# -- communication ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 3, 8, 64])
+def test_all_reduce_follows_the_ring_formula(p: int) -> None:
+    n, alpha, beta = 3e8, 5e-6, 1 / 40e9
+    assert comm.time("all_reduce", n, p, alpha, beta) == pytest.approx(2 * (p - 1) / p * n * beta + 2 * (p - 1) * alpha)
+    assert comm.time("all_gather", n, p, alpha, beta) == pytest.approx((p - 1) / p * n * beta + (p - 1) * alpha)
+    assert comm.time("reduce_scatter", n, p, alpha, beta) == pytest.approx((p - 1) / p * n * beta + (p - 1) * alpha)
+    assert comm.time("p2p", n, p, alpha, beta) == pytest.approx(n * beta + alpha)
+    assert comm.time("all_reduce", n, 1, alpha, beta) == 0.0
+
+
+def test_groups_that_cross_nodes_use_the_network_link() -> None:
+    c = _cluster()
+    n = 1e9
+    inside = comm.collective_time(c, "all_reduce", n, comm.Group(4, False))
+    across = comm.collective_time(c, "all_reduce", n, comm.Group(8, True))
+    assert inside == pytest.approx(2 * 3 / 4 * n / 100e9 + 6 * 2e-6)
+    assert across == pytest.approx(2 * 7 / 8 * n / 10e9 + 14 * 10e-6)
+    # ranks are replica * pp + stage: 2 x 4 keeps each pipeline in a node, its replicas cross nodes
+    assert comm.pipeline_groups(c, dp=2, pp=4) == (comm.Group(2, True), comm.Group(4, False))
+    assert comm.pipeline_groups(c, dp=1, pp=8) == (comm.Group(1, False), comm.Group(8, True))
+    assert comm.pipeline_groups(c, dp=4, pp=1) == (comm.Group(4, False), comm.Group(1, False))
+
+
+def test_fit_recovers_alpha_and_beta_from_a_sweep() -> None:
+    alpha, beta = 80e-6, 1 / 3e9
+    points = [(n, comm.time("all_reduce", n, 2, alpha, beta)) for n in (4096 * 4**i for i in range(7))]
+    assert comm.fit("all_reduce", 2, points) == pytest.approx((alpha, beta), rel=1e-9)
+    flat = [(n, comm.time("p2p", n, 2, 0.0, beta)) for n in (1e4, 1e6, 1e8)]
+    assert comm.fit("p2p", 2, flat) == pytest.approx((0.0, beta), abs=1e-15)
+
+
+# -- cluster specs ----------------------------------------------------------------------------------
+
+
+def test_presets_load_and_specs_round_trip_through_json_and_yaml(tmp_path: Path) -> None:
+    for name in clusters.PRESETS:
+        c = clusters.load(name)
+        assert c.devices >= 8 and c.peak("bf16") > 1e14 and c.memory > 70 * GIB
+    ib = clusters.load("h100-ib")
+    assert ib.devices == 1024 and ib.inter.bandwidth < ib.intra.bandwidth
+    again = clusters.load(str(clusters.write(ib, tmp_path / "ib.json")))
+    assert again == ib
+    yaml = pytest.importorskip("yaml")
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(ib.as_spec()))
+    assert clusters.load(str(tmp_path / "mine.yaml")) == ib
+    assert ib.resized(64).nodes == 8 and ib.resized(4).devices_per_node == 4
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"nodes": 0}, "nodes must be a positive integer"),
+    ({"device": {"peak_tflops": {}}}, "device.peak_tflops"),
+    ({"intra_node": {"bandwidth_gbps": -1}}, "intra_node.bandwidth_gbps"),
+    ({"efficiency": [[1e9, 1.5]]}, "efficiency"),
+    ({"colour": "blue"}, "unknown key"),
+])
+def test_bad_specs_name_the_key_to_fix(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ParatrainError, match=message):
+        _cluster(**change)
+
+
+def test_unknown_preset_suggests_the_closest(tmp_path: Path) -> None:
+    with pytest.raises(ParatrainError, match="Did you mean 'h100-ib'"):
+        clusters.load("h100-ibx")
+    with pytest.raises(ParatrainError, match="does not exist"):
+        clusters.load(str(tmp_path / "missing.json"))
+
+
+def test_efficiency_interpolates_in_log_flops() -> None:
+    c = _cluster(efficiency=[[1e9, 0.1], [1e11, 0.5]])
+    assert c.efficiency_at(1e8) == 0.1 and c.efficiency_at(1e12) == 0.5
+    assert c.efficiency_at(1e10) == pytest.approx(0.3)
+
+
+# -- memory accounting ------------------------------------------------------------------------------
+
+
+def test_memory_of_data_parallel_layouts() -> None:
+    prof, c = _profile(), _cluster()
+    params = prof.params
+    single = predict.predict(prof, Layout(strategy="single"), c, 16).memory
+    # Adam: two float32 states and the temporary its step makes
+    assert (single.params, single.grads, single.optimizer) == (4 * params, 4 * params, 12 * params)
+    assert single.activations == pytest.approx((8 * 100 + 2 * 50) * 16)
+    ddp = predict.predict(prof, Layout(strategy="ddp", dp=4), c, 16).memory
+    assert ddp.buffers == 4 * params  # DDP's buckets copy the gradients
+    assert ddp.activations == pytest.approx((8 * 100 + 2 * 50) * 4)
+    fsdp = predict.predict(prof, Layout(strategy="fsdp", dp=4), c, 16).memory
+    assert (fsdp.params, fsdp.optimizer) == (params, 3 * params)  # sharded four ways
+    sgd = predict.predict(prof, Layout(strategy="single"), c, 16, optimizer="sgd").memory
+    assert sgd.optimizer == 0
+
+
+def test_pipeline_memory_follows_the_schedules_in_flight_micro_batches() -> None:
+    prof, c = _profile(act=100.0), _cluster()
+    per_stage = 4 * 100.0 * 2  # 4 layers of 100 B per sample, micro-batches of 2 samples
+    gpipe = predict.predict(prof, Layout(strategy="pp", pp=2, schedule="gpipe", microbatches=8), c, 16).memory
+    one_f1b = predict.predict(prof, Layout(strategy="pp", pp=2, schedule="1f1b", microbatches=8), c, 16).memory
+    assert gpipe.in_flight == 8 and one_f1b.in_flight == 2
+    assert gpipe.activations == pytest.approx(8 * per_stage + 2 * 50 * 2)
+    assert one_f1b.activations == pytest.approx(2 * per_stage + 2 * 50 * 2)
+    assert one_f1b.params == 4 * 4 * 1000  # half the layers
+    assert one_f1b.data == 8.0 * 16  # every pipeline rank holds the replica's batch
+
+
+def test_cpu_pipeline_ranks_keep_the_high_water_of_their_build() -> None:
+    prof = _profile(act=100.0)
+    layout = Layout(strategy="pp", pp=2, schedule="1f1b", microbatches=2)
+    cpu = predict.predict(prof, layout, _cluster(kind="cpu"), 16).memory
+    build = prof.param_bytes + (8 * 100 + 2 * 50) * 8  # every layer's trial run on one micro-batch of 8
+    assert cpu.retained == pytest.approx(build - cpu.activations - cpu.grads)
+    assert predict.predict(prof, layout, _cluster(), 16).memory.retained == 0  # GPU peaks are allocator peaks
+
+
+def test_layouts_that_cannot_run_say_why() -> None:
+    prof, c = _profile(layers=3), _cluster()
+    assert "fewer than the 4 stages" in predict.predict(prof, Layout(strategy="pp", pp=4, microbatches=4,
+                                                                      schedule="gpipe"), c, 16).reason
+    assert "does not split" in predict.predict(prof, Layout(strategy="ddp", dp=3), c, 16).reason
+    assert "1f1b" in predict.predict(prof, Layout(strategy="pp", pp=2, schedule="1f1b", microbatches=1), c, 16).reason
+    fp16 = Layout(strategy="pp", pp=2, schedule="gpipe", microbatches=2, precision="16")
+    assert "use bf16" in predict.predict(prof, fp16, c, 16).reason
+    big = _profile(params=10**9)
+    out = predict.predict(big, Layout(strategy="single"), c, 16)
+    assert not out.fits and "GiB per worker" in out.reason
+
+
+def test_setup_arguments_are_valid_paratrain_options() -> None:
+    c = _cluster()
+    for layout in [Layout(strategy="ddp", dp=4, grad_accum=2), Layout(strategy="fsdp", dp=8),
+                   Layout(strategy="ddp+pp", dp=2, pp=4, schedule="interleaved-1f1b", stages_per_worker=2,
+                         microbatches=8, precision="bf16"),
+                   Layout(strategy="mp", pp=2, microbatches=4)]:
+        config = make_config(layout.setup_kwargs(c))
+        assert config.strategy == layout.strategy
+    assert Layout(strategy="ddp+pp", dp=2, pp=4).commands(c)[0].startswith("srun --nodes 2 --ntasks-per-node 4")
+    assert Layout(strategy="pp", pp=4).commands(c) == ["paratrain run --nproc 4 train.py"]
+
+
+# -- the analytic GPT against torch's FLOP counter --------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, h: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(h), nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def test_gpt_formulas_match_torchs_flop_counter_and_parameter_count() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gpt = transformer.GPT(name="tiny", layers=2, hidden=64, heads=4, seq=32, vocab=100)
+    block = _Block(64, 4)
+    assert gpt.block_params() == sum(p.numel() for p in block.parameters())
+    x = torch.randn(1, 32, 64, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH):  # attention as matrix products, which the counter sees on CPU
+        with FlopCounterMode(display=False) as fwd:
+            y = block(x)
+        with FlopCounterMode(display=False) as bwd:
+            y.sum().backward()
+    prof = transformer.profile(gpt, "32")
+    assert prof.layers[1].flops_fwd == fwd.get_total_flops()
+    assert prof.layers[1].flops_bwd == bwd.get_total_flops()
+    assert prof.params == gpt.params()
+    five = transformer.get("gpt-5b")
+    assert 5.0e9 < five.params() < 5.5e9  # NeMo's GPT-3 5B shape
+    assert transformer.profile(five).tokens_per_sample == 2048
+
+
+def test_search_prunes_a_1024_gpu_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = search.predict
+    monkeypatch.setattr(search, "predict", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    prof = transformer.profile(transformer.get("gpt-5b"), "bf16")
+    found = search.layouts(prof, clusters.load("h100-ib"), 2048, precision="bf16")
+    assert len(calls) < 300, f"{len(calls)} layouts predicted for 1,024 GPUs; the pruning should keep it small"
+    best = found[0]
+    assert best.fits and best.layout.devices == 1024
+    assert [p.step_s for p in found if p.fits] == sorted(p.step_s for p in found if p.fits)
+    ddp = next(p for p in found if p.layout.strategy == "ddp")
+    assert not ddp.fits and "alone need" in ddp.reason  # 20 B/parameter of 5.3 B parameters > 80 GB
+    assert 0.1 < best.mfu < 0.6 and best.tokens_per_s > 0 and math.isfinite(best.step_s)
+
+
+def test_profile_measures_flops_memory_and_times_of_each_layer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batch = lambda b: (torch.randn(b, 8), torch.randn(b, 4))  # noqa: E731
+    prof = measure(model, batch, nn.MSELoss(), [2, 4], name="tiny", repeats=1)
+    first, relu, last = prof.layers
+    assert [layer.params for layer in prof.layers] == [8 * 16 + 16, 0, 16 * 4 + 4]
+    assert first.flops_fwd == 2 * 8 * 16 and first.flops_bwd == 2 * (2 * 8 * 16)
+    assert first.weight_share == pytest.approx(0.5)
+    assert first.activation_bytes == 8 * 4  # Linear keeps its input
+    assert relu.output_bytes == 16 * 4
+    assert set(first.seconds) == {2, 4} and all(f > 0 and b > 0 for f, b in first.seconds.values())
+    assert prof.optimizer_s_per_param and prof.optimizer_s_per_param > 0
+    json.dumps(prof.as_dict())
+
+
+# -- validation bookkeeping (the runner replaced at its one seam) -------------------------------------
+
+
+def test_validation_covers_the_named_layouts_and_scores_them_against_a_runner() -> None:
+    from paratrain.planner import validate
+
+    layouts = validate.local_layouts()
+    labels = [layout.label for layout in layouts]
+    assert labels[:3] == ["single", "ddp 2", "fsdp 2"]
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+        assert sorted(x.microbatches for x in layouts if x.schedule == schedule and x.strategy == "pp") == [1, 2, 4, 8]
+    assert {"mp 2 (M=1)", "ddp+pp 2x2 (1f1b, M=2)"} <= set(labels)
+    assert max(x.processes for x in layouts) == 4
+
+    local = _cluster(kind="cpu", devices_per_node=2, nodes=1, measured_here=True)
+    prof = _profile(layers=3)  # 3 layers: the 4-stage interleaved layouts cannot run
+    chosen = [x for x in layouts if x.label in ("single", "ddp 2", "pp 2 (interleaved-1f1b, V=2, M=2)")]
+    ran: list[str] = []
+
+    def runner(layout: Layout, cluster: clusters.Cluster, settings: validate.Settings) -> validate.Measured:
+        ran.append(layout.label)
+        guess = predict.predict(prof, layout, cluster, settings.batch)
+        return validate.Measured(step_s=guess.step_s * (1.1 if layout.strategy == "ddp" else 1.0),
+                                 peak_bytes=guess.memory.total * 0.95)
+
+    settings = validate.Settings(workload="chain", batch=8)
+    records = validate.run(prof, local, settings, chosen, measure=runner, say=lambda text: None)
+    assert ran == ["single", "ddp 2"]
+    by = {r["layout"]: r for r in records}
+    assert by["pp 2 (interleaved-1f1b, V=2, M=2)"]["status"] == "cannot-run"
+    assert by["ddp 2"]["step_error"] == pytest.approx(1 / 1.1 - 1)
+    assert by["single"]["memory_error"] == pytest.approx(1 / 0.95 - 1)
+    summary = validate.summary(records)
+    assert summary["layouts"] == 2 and summary["step_worst_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    with pytest.raises(ParatrainError, match="--cluster local"):
+        validate.run(prof, _cluster(), settings, chosen, measure=runner)
