@@ -12,8 +12,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook,hf,cluster,plan]' 2>&1 | { grep -v "is ignored" || true; }
-	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml" 
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook,hf,cluster,plan,tensorboard]' 2>&1 | { grep -v "is ignored" || true; }
+	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml, tensorboard, tqdm" 
 	touch $(STAMP)
 
 lint: setup

@@ -1,9 +1,10 @@
 """Image classification on synthetic data: a small ConvNet with BatchNorm, the tutorials' full DDP
 recipe (sharded loader, SyncBatchNorm, AMP, all-reduced validation accuracy, rank-0 checkpoints) in
-paratrain's few lines.
+paratrain's few lines, with a progress bar and per-step logs (metrics.jsonl and TensorBoard).
 
     python examples/image_classification.py --epochs 1
-    paratrain run --nproc 2 examples/image_classification.py --sync-batchnorm --checkpoint-dir /tmp/ckpt
+    paratrain run --nproc 2 examples/image_classification.py --checkpoint-dir /tmp/ckpt --profile
+    tensorboard --logdir /tmp/ckpt/logs
 """
 
 import argparse
@@ -42,17 +43,22 @@ def main() -> None:
                         help="exact: global-batch statistics (SyncBatchNorm, CUDA); local: each worker's own rows "
                              "(default: exact on GPUs, local on CPU workers, where no exact form exists)")
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--log-dir", default=None, help="default: <checkpoint-dir>/logs, else runs/<date>-<time>")
+    parser.add_argument("--progress", action="store_true", default=None,
+                        help="show the progress bar even when stderr is not a terminal")
+    parser.add_argument("--profile", action="store_true", help="log where each step's time goes, per rank")
     args = parser.parse_args()
 
     batchnorm = args.batchnorm or ("exact" if torch.cuda.is_available() else "local")
     run = paratrain.setup(strategy=args.strategy, precision=args.precision, batchnorm=batchnorm,
-                          checkpoint_dir=args.checkpoint_dir, seed=0)
+                          checkpoint_dir=args.checkpoint_dir, log_dir=args.log_dir, progress=args.progress,
+                          profile=args.profile, seed=0)
     batch = run.per_worker_batch(args.global_batch)
     train = run.prepare_loader(DataLoader(synthetic_images(512, 10, 16, seed=1), batch_size=batch, shuffle=True))
     val = run.prepare_loader(DataLoader(synthetic_images(200, 10, 16, seed=2), batch_size=batch), evaluation=True)
     model = convnet(10)
     model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    state = {"model": model, "optimizer": optimizer, "loader": train, "epoch": 0}
+    state = {"model": model, "optimizer": optimizer, "loader": train, "epoch": 0, "step": 0}
     if args.checkpoint_dir:
         run.load(state)
     loss_fn = nn.CrossEntropyLoss()
@@ -63,6 +69,8 @@ def main() -> None:
             loss = loss_fn(model(images.to(run.device)), labels.to(run.device))
             run.backward(loss)
             optimizer.step()
+            state["step"] += 1
+            run.log(state["step"], loss=loss, total_steps=args.epochs * len(train))  # mean over ranks
         model.eval()
         correct = torch.zeros((), device=run.device)
         seen = torch.zeros((), device=run.device)
@@ -72,6 +80,7 @@ def main() -> None:
                 correct += (predicted == labels.to(run.device)).sum()
                 seen += len(labels)
         accuracy = run.all_reduce(correct, "sum") / run.all_reduce(seen, "sum")
+        run.log(state["step"], {"val/accuracy": accuracy})
         run.print(f"epoch {epoch} train loss {loss.item():.4f} val accuracy {accuracy.item():.3f} "
                   f"on {int(run.all_reduce(seen, 'sum').item())} images")
         state["epoch"] = epoch + 1

@@ -9,6 +9,7 @@ from .api import Run, setup
 from .data import ShardedLoader
 from .errors import CheckpointError, CollectiveTimeout, ParatrainError
 from .launcher.spawn import WorkerFailed
+from .observe import Profile, profile
 
 __version__ = "0.1.0"
 
@@ -20,5 +21,5 @@ def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
     return _launch(*args, **kwargs)
 
 
-__all__ = ["CheckpointError", "CollectiveTimeout", "ParatrainError", "Run", "ShardedLoader", "WorkerFailed", "launch",
-           "setup"]
+__all__ = ["CheckpointError", "CollectiveTimeout", "ParatrainError", "Profile", "Run", "ShardedLoader", "WorkerFailed",
+           "launch", "profile", "setup"]

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import random
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from .config import Config, make_config
 from .data import ShardedLoader, claim_weight
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
+from .observe import Breakdown, MetricLog
 from .parallel.microbatch import batch_size
 from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
 from .precision import apply_autocast, make_scaler
@@ -43,6 +44,14 @@ class Run:
         self._saves = 0
         self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
         """Training loaders: the batch the latest one yielded sets how much the next micro-step's loss counts."""
+        self.timing = Breakdown(ctx.device, enabled=config.profile)
+        """The per-rank step breakdown (`setup(profile=True)` or `paratrain.profile(run)`); see observe/breakdown.py."""
+        _, replicas = strategy.data_shard(ctx)
+        self._metrics = MetricLog(rank=self.rank, world_size=self.world_size, ranks_per_replica=self.world_size //
+                                  replicas, device=ctx.device, timing=self.timing, all_reduce_sum=self._log_sum,
+                                  log_dir=config.log_dir, checkpoint_dir=config.checkpoint_dir,
+                                  progress=config.progress)
+        self._global_batch: int | None = None
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -95,11 +104,13 @@ class Run:
         wrapped = self.strategy.wrap(model, self.ctx, example)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)
+        self.timing.track(wrapped)
+        self._metrics.start(None, self.step.count)  # step time and rates count from here, not from setup
         _seed(self.config.seed + 1 + self.rank)  # weights are built; from here on randomness differs per rank
         if optimizer is None:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
-        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler)
+        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase)
 
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
         """Shard `loader` over data-parallel replicas (its batch_size is per worker), honouring its sampler and
@@ -109,8 +120,10 @@ class Run:
         prepared = ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation,
                                  grad_accum=self.config.grad_accum, equal_shares=self.strategy.scheduled,
                                  device=self.device)
+        prepared.timing = self.timing
         if not evaluation:
             self._loaders.add(prepared)
+            self._global_batch = prepared.global_batch  # for run.log's samples/s
         return prepared
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -132,7 +145,7 @@ class Run:
         scaling; gradients are synchronised only on the last micro-step of a window. A short batch's loss is
         weighted by this rank's rows (see paratrain/data/plan.py)."""
         weight = claim_weight(self._loaders)
-        with self._watch.op_scope("backward"), self.step.micro():  # DDP all-reduces inside backward
+        with self._watch.op_scope("backward"), self.step.micro(), self.timing.micro_step():  # DDP syncs in here
             self._scaled_backward(loss if weight.loss == 1.0 else loss * weight.loss)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -145,7 +158,7 @@ class Run:
         if not self._loaders:  # no sharded loader says where this rank's rows start in the global batch
             replica, _ = self.strategy.data_shard(self.ctx)
             set_rows_before(replica * batch_size(inputs))
-        with self._watch.op_scope("forward_backward"), self.step.micro(model):
+        with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
             loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
                                                   self.ctx)
         return loss if weight.window == 1.0 else loss / weight.window
@@ -175,11 +188,11 @@ class Run:
 
     # -- communication --------------------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
-        with self._watch.op_scope("all_reduce"):
+        with self._watch.op_scope("all_reduce"), self.timing.phase("comm"):
             return collectives.all_reduce(value, op=op, device=self.device)
 
     def barrier(self) -> None:
-        with self._watch.op_scope("barrier"):
+        with self._watch.op_scope("barrier"), self.timing.phase("comm"):
             collectives.barrier()
 
     @property
@@ -189,11 +202,30 @@ class Run:
         self._stop.polled = True
         if self._stop_seen is not None and self._stop_seen[0] == self.step.count:
             return self._stop_seen[1]  # asked again within the same step: same answer, no second collective
-        with self._watch.op_scope("should_stop"):
+        with self._watch.op_scope("should_stop"), self.timing.phase("comm"):
             flag = bool(collectives.all_reduce(float(self._stop.requested), op="max", device=self.device) > 0)
         self._stop_seen = (self.step.count, flag)
         self._stop.answered = self._stop.answered or flag
         return flag
+
+    # -- metrics --------------------------------------------------------------------------------
+    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, *, reduce: str | Mapping[str, str] = "mean",
+            total_steps: int | None = None, **values: Any) -> dict[str, Any]:
+        """Average (or sum: reduce="sum" or {"name": "sum"}) numbers over ranks in one small all-reduce; rank 0
+        appends them to <log_dir>/metrics.jsonl and TensorBoard and advances its progress bar (ETA from
+        `total_steps`, remembered once given). Names that are not identifiers go in `metrics` ({"val/acc": a}).
+        Collective: every rank calls it at the same steps with the same names. Returns the record written."""
+        with self._watch.op_scope("log"):
+            return self._metrics.log(step, {**(metrics or {}), **values}, reduce, total_steps, self.step.count,
+                                     self._global_batch)
+
+    def _log_sum(self, vector: torch.Tensor) -> torch.Tensor:
+        return collectives.all_reduce(vector, op="sum", device=self.device)
+
+    @property
+    def log_dir(self) -> Path:
+        """Where rank 0 writes `run.log`'s metrics.jsonl and TensorBoard files (`setup(log_dir=...)`)."""
+        return self._metrics.folder
 
     @property
     def logger(self) -> logging.Logger:
@@ -206,7 +238,8 @@ class Run:
     def print(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
             kwargs.setdefault("flush", True)
-            builtins.print(*args, **kwargs)
+            with self._metrics.outside():  # above the progress bar, if one is shown
+                builtins.print(*args, **kwargs)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _root(self, path: str | Path | None) -> Path:
@@ -244,12 +277,14 @@ class Run:
                                     unwrap=self.strategy.unwrap, map_location=self.device, verified=not one)
         self.step.restore(int(extra.get("micro", 0)))
         self._saves = int(extra.get("step", -1)) + 1  # unnamed saves continue the numbering
+        self._metrics.start(int(extra.get("step", 0)), self.step.count)  # the logs continue from this step
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
         self.print(f"paratrain: resumed from {target}")
         return True
 
     def close(self) -> None:
+        self._metrics.close()
         self._watch.stop()
         self._stop.uninstall()
         runtime.destroy_process_group()

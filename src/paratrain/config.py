@@ -8,6 +8,7 @@ the job itself (world size, GPUs) belong to each strategy's `check`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
@@ -49,6 +50,14 @@ class Config:
     """Directory for `save`/`load`; `load` resumes from its newest complete checkpoint."""
     keep_last: int = 3
     """Checkpoints kept in checkpoint_dir; older ones are removed after a successful save."""
+    log_dir: str | None = None
+    """Where rank 0's `run.log` writes metrics.jsonl and TensorBoard event files; None: <checkpoint_dir>/logs
+    (so a resumed run continues its logs), or runs/<date>-<time> without a checkpoint_dir. Made at the first log."""
+    progress: bool | None = None
+    """Rank 0's progress bar on stderr, advanced by `run.log`: None shows it when stderr is a terminal."""
+    profile: bool = False
+    """Time every step's data wait, compute, exposed communication and optimizer on each rank, for `run.log`
+    (see observe/breakdown.py); costs a clock read per phase, and a device synchronisation on CUDA."""
     batchnorm: BatchNormMode = "exact"
     """BatchNorm when a batch is split over workers or micro-batches: "exact" (whole-batch statistics:
     SyncBatchNorm for data-parallel CUDA workers, otherwise a refusal) or "local" (each part normalised by
@@ -105,6 +114,12 @@ def validate(cfg: Config) -> Config:
         raise ParatrainError(f"timeout_s must be positive, got {cfg.timeout_s}")
     if cfg.bucket_cap_mb is not None and cfg.bucket_cap_mb <= 0:
         raise ParatrainError(f"bucket_cap_mb must be positive, got {cfg.bucket_cap_mb}")
+    if cfg.log_dir is not None and (not isinstance(cfg.log_dir, str) or not cfg.log_dir):
+        raise ParatrainError(f"log_dir must be a directory path (a non-empty string) or None, got {cfg.log_dir!r}")
+    if not isinstance(cfg.profile, bool):
+        raise ParatrainError(f"profile must be True or False, got {cfg.profile!r}")
+    if cfg.progress is not None and not isinstance(cfg.progress, bool):
+        raise ParatrainError(f"progress must be True, False or None (on a terminal only), got {cfg.progress!r}")
     if cfg.microbatches != "auto" and (not isinstance(cfg.microbatches, int) or cfg.microbatches < 1):
         raise ParatrainError(f"microbatches must be a positive int or 'auto', got {cfg.microbatches!r}")
     if isinstance(cfg.balance, str):
@@ -133,4 +148,6 @@ def make_config(kwargs: dict[str, Any]) -> Config:
         raise ParatrainError(f"unknown setup option(s) {unknown}; known options: {sorted(names)}")
     if "precision" in kwargs:
         kwargs = {**kwargs, "precision": str(kwargs["precision"])}
+    if isinstance(kwargs.get("log_dir"), os.PathLike):
+        kwargs = {**kwargs, "log_dir": os.fspath(kwargs["log_dir"])}
     return validate(Config(**kwargs))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -80,11 +80,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
     An `Optimizer` subclass so LR schedulers accept it; it delegates everything else.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, step: Step, scaler: torch.amp.GradScaler | None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Step, scaler: torch.amp.GradScaler | None,
+                 timed: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns param_groups and state.
         self.optimizer = optimizer
         self._step = step
         self.scaler = scaler
+        self._timed = timed or _untimed
+        """Times the real step as the "optimizer" phase while profiling (observe/breakdown.py)."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -101,11 +104,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         if not self._step.at_boundary or self._step.count == 0:
             return None
-        if self.scaler is not None:
-            result = self.scaler.step(self.optimizer, *(() if closure is None else (closure,)))
-            self.scaler.update()
-            return result
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        with self._timed("optimizer"):
+            if self.scaler is not None:
+                result = self.scaler.step(self.optimizer, *(() if closure is None else (closure,)))
+                self.scaler.update()
+                return result
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._step.at_boundary:
@@ -127,6 +131,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if name == "optimizer":
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+
+def _untimed(phase: str) -> AbstractContextManager[Any]:
+    return nullcontext()
 
 
 def rebind(optimizer: torch.optim.Optimizer, before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:

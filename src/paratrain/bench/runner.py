@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import ParatrainError
 from ..launcher.spawn import launch
+from ..observe.progress import Bar
 from . import schema
 from .jobs import JobList, Settings, Spec
 from .schema import RunRecord
@@ -22,25 +23,30 @@ def _last_line(text: str) -> str:
 
 
 def run_jobs(jobs: JobList, settings: Settings, job_timeout: float, say: Callable[[str], None] = print,
-             on_records: Callable[[list[RunRecord]], None] | None = None) -> list[RunRecord]:
-    """Measure every job in turn; `on_records` sees each job's records as soon as it finishes."""
+             on_records: Callable[[list[RunRecord]], None] | None = None,
+             progress: bool | None = None) -> list[RunRecord]:
+    """Measure every job in turn; `on_records` sees each job's records as soon as it finishes. A bar over the
+    configurations with an ETA goes to stderr (`progress`: None shows it on a terminal)."""
     records = [schema.record(spec, status, reason, spec.bound) for spec, status, reason in jobs.skipped]
     if on_records and records:
         on_records(records)
-    for i, job in enumerate(jobs.jobs, 1):
-        say(f"[{i}/{len(jobs.jobs)}] {job.title}: {len(job.specs)} configuration(s), "
-            f"{settings.warmup} warm-up + {settings.repeat} x {settings.steps} timed steps each")
-        start = time.monotonic()
-        try:
-            out = launch(run_job, job, settings, nproc=job.nproc, timeout=job_timeout, prefix_output=False)
-            done = [_from_worker(item) for item in out]
-        except ParatrainError as exc:  # WorkerFailed or the job's time limit
-            reason = f"job failed: {_last_line(str(exc))}"
-            done = [schema.record(spec, "failed", reason, spec.bound) for spec in job.specs]
-        say(f"      ({time.monotonic() - start:.0f} s)")
-        records += done
-        if on_records:
-            on_records(done)
+    bar = Bar(progress, total=sum(len(job.specs) for job in jobs.jobs), unit="config", desc="bench")
+    with bar.above():  # what is printed meanwhile (rows, the workers' lines) goes above the bar
+        for i, job in enumerate(jobs.jobs, 1):
+            say(f"[{i}/{len(jobs.jobs)}] {job.title}: {len(job.specs)} configuration(s), "
+                f"{settings.warmup} warm-up + {settings.repeat} x {settings.steps} timed steps each")
+            start = time.monotonic()
+            try:
+                out = launch(run_job, job, settings, nproc=job.nproc, timeout=job_timeout, prefix_output=False)
+                done = [_from_worker(item) for item in out]
+            except ParatrainError as exc:  # WorkerFailed or the job's time limit
+                reason = f"job failed: {_last_line(str(exc))}"
+                done = [schema.record(spec, "failed", reason, spec.bound) for spec in job.specs]
+            say(f"      ({time.monotonic() - start:.0f} s)")
+            records += done
+            if on_records:
+                on_records(done)
+            bar.advance(by=len(job.specs), postfix=job.title)
     return records
 
 

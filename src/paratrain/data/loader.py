@@ -46,6 +46,8 @@ class ShardedLoader:
         self.epoch = 0
         self.consumed = 0
         """Samples of the current epoch's order (global count, all replicas) already handed out."""
+        self.timing: Any = None
+        """A run's step breakdown (observe.Breakdown) that times the wait for each batch while profiling."""
         self.sampler = EpochSampler(self)
         """What tutorials call `loader.sampler`: `set_epoch` moves this loader's order."""
         self._drawn: tuple[int, Epoch] | None = None
@@ -120,7 +122,8 @@ class ShardedLoader:
         plan = self._plan()
         self._unclaimed, self._ahead = 0, False
         if plan:
-            for batch, item in zip(self._load(plan), plan):
+            batches = self._load(plan) if self.timing is None else self.timing.batches(self._load(plan))
+            for batch, item in zip(batches, plan):
                 if not self.evaluation:
                     self.consumed = item.end
                 self._stamp, self._weight = next(_STAMPS), item.weight
