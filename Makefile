@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint typecheck bench clean
+.PHONY: setup test test-gpu lint typecheck bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ typecheck: setup
 
 test: setup lint typecheck
 	$(VENV)/bin/pytest -q
+
+test-gpu: setup
+	PARATRAIN_TEST_GPU=1 $(VENV)/bin/pytest -q -m gpu
 
 bench: setup
 	$(VENV)/bin/paratrain bench --out results/bench

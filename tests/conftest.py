@@ -7,8 +7,13 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch.distributed as dist
+# The suite tests CPU workers (each a "device"), identically on a machine with GPUs: they are hidden
+# before torch looks for them, except for the GPU tests (`make test-gpu`: PARATRAIN_TEST_GPU=1, -m gpu).
+if not os.environ.get("PARATRAIN_TEST_GPU"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))

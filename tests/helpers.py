@@ -94,6 +94,9 @@ def train_toy(strategy: str = "single", global_batch: int = 12, epochs: int = 2,
             losses.append(float(run.all_reduce(loss.detach(), "mean")))
     weights = {k: _full(v) for k, v in run.unwrap(model).state_dict().items()}
     out = {"weights": weights, "losses": losses, "rank": run.rank, "world": run.world_size}
+    logging_data = getattr(model, "_get_ddp_logging_data", None)  # what DDP says it was built with
+    if logging_data is not None:
+        out["ddp"] = {k: v for k, v in logging_data().items() if isinstance(v, int | str)}
     if record:
         out["seen"] = seen
     run.close()

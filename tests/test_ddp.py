@@ -56,7 +56,9 @@ def _ddp_options() -> dict[str, object]:
         "bf16_hook": {"comm_hook": "bf16"},
         "fp16_hook": {"comm_hook": "fp16"},
     }.items():
-        out[name] = train_toy("ddp", global_batch=12, **opts)["weights"]
+        result = train_toy("ddp", global_batch=12, **opts)
+        out[name] = result["weights"]
+        out[name + "_ddp"] = result["ddp"]
     return out
 
 
@@ -66,6 +68,13 @@ def test_ddp_options_train_correctly(reference: dict[str, dict[str, object]]) ->
     assert max_diff(res["static"], reference["fp32"]["weights"]) < 2e-6
     assert max_diff(res["bf16_hook"], reference["fp32"]["weights"]) < 5e-2
     assert max_diff(res["fp16_hook"], reference["fp32"]["weights"]) < 5e-3
+    # each knob took effect: DDP was built with it, and the compressed runs really rounded
+    # (the toy's 2.7 KB of gradients fit DDP's first bucket, which is 1 MiB whatever the cap says)
+    assert res["buckets_ddp"]["bucket_cap_bytes"] == int(0.001 * 1024 * 1024)
+    assert res["static_ddp"]["static_graph"] == 1 and res["static_ddp"]["gradient_as_bucket_view"] == 1
+    assert res["bf16_hook_ddp"]["comm_hook"] == "bf16_compress_hook"
+    assert res["fp16_hook_ddp"]["comm_hook"] == "fp16_compress_hook"
+    assert max_diff(res["bf16_hook"], reference["fp32"]["weights"]) > 1e-5  # bf16 rounding moved the weights
 
 
 def _unused_parameter() -> str:
