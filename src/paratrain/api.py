@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import functools
 import logging
 import random
 import weakref
@@ -48,7 +49,8 @@ class Run:
         """The per-rank step breakdown (`setup(profile=True)` or `paratrain.profile(run)`); see observe/breakdown.py."""
         _, replicas = strategy.data_shard(ctx)
         self._metrics = MetricLog(rank=self.rank, world_size=self.world_size, ranks_per_replica=self.world_size //
-                                  replicas, device=ctx.device, timing=self.timing, all_reduce_sum=self._log_sum,
+                                  replicas, device=ctx.device, timing=self.timing,
+                                  all_reduce_sum=functools.partial(collectives.all_reduce, op="sum", device=ctx.device),
                                   log_dir=config.log_dir, checkpoint_dir=config.checkpoint_dir,
                                   progress=config.progress)
         self._global_batch: int | None = None
@@ -218,9 +220,6 @@ class Run:
         with self._watch.op_scope("log"):
             return self._metrics.log(step, {**(metrics or {}), **values}, reduce, total_steps, self.step.count,
                                      self._global_batch)
-
-    def _log_sum(self, vector: torch.Tensor) -> torch.Tensor:
-        return collectives.all_reduce(vector, op="sum", device=self.device)
 
     @property
     def log_dir(self) -> Path:

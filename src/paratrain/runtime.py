@@ -307,7 +307,14 @@ def init_process_group(
 
 
 def destroy_process_group() -> None:
+    """Ends the process group. Models wrapped in DDP that only a reference cycle keeps (a finished training
+    function's run and model) are collected first: freed after the group, at interpreter exit, their
+    reducer's gloo threads can outlive the runtime and abort the process ("terminate called without an
+    active exception")."""
     if dist.is_initialized():
+        import gc
+
+        gc.collect()
         dist.destroy_process_group()
     from . import file_store
 
