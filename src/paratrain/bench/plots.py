@@ -42,6 +42,11 @@ def best_per_configuration(runs: list[RunRecord]) -> list[RunRecord]:
     return list(best.values())
 
 
+def _colors(runs: list[RunRecord]) -> list[str]:
+    return [TORCH_COLOR if r.strategy.startswith("torch-") else CEILING_COLOR if r.strategy == CEILING
+            else PARATRAIN_COLOR for r in runs]
+
+
 def _workers(n: int) -> str:
     return f"{n} worker{'s' if n > 1 else ''}"
 
@@ -58,8 +63,7 @@ def _title(results: dict[str, Any]) -> str:
 def bar_chart(results: dict[str, Any], path: Path) -> Path:
     runs = best_per_configuration(results["runs"])
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
-    colors = [TORCH_COLOR if r.strategy.startswith("torch-") else
-              CEILING_COLOR if r.strategy == CEILING else PARATRAIN_COLOR for r in runs]
+    colors = _colors(runs)
     bars = ax.bar(range(len(runs)), [r.median for r in runs], yerr=_iqr_bars(runs), align="center",
                   alpha=0.6, ecolor="red", capsize=8, width=0.6, color=colors)
     for bar, r in zip(bars, runs):
@@ -81,8 +85,7 @@ def throughput(results: dict[str, Any], path: Path) -> Path | None:
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
-    colors = [TORCH_COLOR if r.strategy.startswith("torch-") else
-              CEILING_COLOR if r.strategy == CEILING else PARATRAIN_COLOR for r in runs]
+    colors = _colors(runs)
     bars = ax.bar(range(len(runs)), [r.tokens_per_s or 0.0 for r in runs], align="center", alpha=0.6, width=0.6,
                   color=colors)
     ax.set_ylim(0, 1.12 * max(r.tokens_per_s or 0.0 for r in runs))  # room for the labels
