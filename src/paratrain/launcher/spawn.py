@@ -11,12 +11,15 @@ is raised in the caller and the others are ended; a timeout or Ctrl-C ends them 
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
 import sys
 import tempfile
 import time
+import types
+from collections import ChainMap
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +75,7 @@ def launch(
     if store_path:
         file_store.preflight(store_path, expect_idle=True)
     try:
-        payload = cloudpickle.dumps((fn, args, kwargs, all_ranks))
+        payload = _dumps((fn, args, kwargs, all_ranks))
     except Exception as exc:
         raise ParatrainError(f"paratrain.launch: the function or its arguments cannot be sent to the workers "
                              f"({type(exc).__name__}: {exc}); create such objects inside the function") from exc
@@ -112,6 +115,26 @@ def _worker_env(nproc: int, port: int, init: str | None, accelerator: str, threa
         env["PARATRAIN_INIT"] = init
     env.update(extra or {})
     return env
+
+
+def _code_keeping_its_file(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with the file name it blanks out (since 3.1.3, for
+    deterministic payloads) put back: a worker's traceback then names the user's script and line."""
+    constructor, fields = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if f == "<dynamic-code>" else f for f in fields)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _code_keeping_its_file}, cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps(obj: Any) -> bytes:
+    """`fn` and its arguments by value (cloudpickle), tracebacks keeping the file names."""
+    if not hasattr(cloudpickle.cloudpickle, "_code_reduce"):
+        return cloudpickle.dumps(obj)
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _load(path: Path) -> Any:
