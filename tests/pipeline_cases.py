@@ -91,8 +91,11 @@ def train(strategy: str, steps: int = 3, batch: int = 16, kind: str = "seq", gra
             run.save(state, path=save_to)
     weights = {k: v.detach().cpu().clone() for k, v in run.unwrap(model).state_dict().items()}
     plan = getattr(model, "plan", None)
+    tuning = getattr(model, "ddp_tuning", None)  # comm_hook="auto": what was measured and chosen
+    logged = getattr(model, "_get_ddp_logging_data", None)  # what DDP says it was built with
     return {"losses": losses, "weights": weights, "plan": plan.as_dict() if plan else None,
-            "rank": run.rank, "replica": replica}
+            "rank": run.rank, "replica": replica, "tuning": vars(tuning) if tuning else None,
+            "ddp": {k: v for k, v in logged().items() if isinstance(v, int | str)} if logged else None}
 
 
 def weight_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

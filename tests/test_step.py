@@ -78,3 +78,14 @@ def test_ddp_backward_syncs_on_the_window_end_only() -> None:
     assert flags == [False, True, False, True]
     assert run.sync_step
     run.close()
+
+
+def test_a_flag_that_does_not_change_is_not_set_again() -> None:
+    calls: list[bool] = []
+    step = Step(1, lambda model, sync: calls.append(sync))  # no accumulation: every micro-step syncs
+    model = nn.Linear(1, 1)
+    step.track(model)
+    for _ in range(5):
+        with step.micro(model):
+            pass
+    assert calls == [True]  # armed once; nothing to do per micro-step

@@ -30,6 +30,38 @@ def all_reduce(value: torch.Tensor | float, op: str = "mean", device: torch.devi
     return tensor
 
 
+_PENDING: list[torch.Tensor] = []
+"""Reductions started by `mean_later` whose result nobody has read yet."""
+
+
+def mean_later(value: torch.Tensor, divide_by: int | None = None, group: object = None) -> torch.Tensor:
+    """The sum over ranks of `value / divide_by` (default: the world size, so the mean), started now and
+    waited for when first read.
+
+    A training step's loss is returned on every rank but often never read: a blocking all-reduce would
+    stall every step for it. The result is torch's AsyncCollectiveTensor, which waits on first use; one
+    that is never read is waited for by the next call (or `settle`), so at most one is in flight."""
+    tensor = value.detach().float()
+    if not active(group):
+        return tensor / divide_by if divide_by else tensor.clone()
+    from torch.distributed import _functional_collectives as funcol
+
+    settle()
+    size = divide_by or dist.get_world_size(group)  # type: ignore[arg-type]
+    out = funcol.all_reduce(tensor / size, "sum", group or dist.group.WORLD)  # type: ignore[arg-type]
+    _PENDING.append(out)
+    return out
+
+
+def settle() -> None:
+    """Wait for every reduction `mean_later` started (a no-op for those already read)."""
+    while _PENDING:
+        pending = _PENDING.pop()
+        wait = getattr(pending, "trigger_wait", None)
+        if wait is not None:
+            wait()
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

@@ -17,9 +17,9 @@ from .errors import ParatrainError, unknown_name
 StrategyName = Literal["auto", "single", "dp", "ddp", "fsdp", "mp", "pp", "ddp+pp", "ddp+mp"]
 Precision = Literal["32", "bf16", "16"]
 Accelerator = Literal["auto", "cpu", "cuda"]
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "auto"]
 BalanceMode = Literal["time", "memory", "equal"]
-CommHook = Literal["bf16", "fp16"]
+CommHook = Literal["auto", "bf16", "fp16", "powersgd"]
 BatchNormMode = Literal["exact", "local"]
 
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)[1:]
@@ -71,7 +71,9 @@ class Config:
     gradient_as_bucket_view: bool = False
     """DDP: gradients are views into the communication buckets (saves one copy and its memory)."""
     comm_hook: CommHook | None = None
-    """DDP communication hook: None, "bf16" or "fp16" (gradient compression)."""
+    """DDP gradient communication: None (torch's), "auto" (the fastest exact setting, measured in `prepare` on
+    its example batch: bucket size, bucket views), or a lossy one asked for by name: "bf16"/"fp16"
+    compression or "powersgd" (low-rank, with error feedback; GPUs only)."""
     devices: list[str] | None = None
     """Devices of the stages of a single-process model-parallel run (strategy "mp")."""
     devices_per_worker: int = 1
@@ -79,7 +81,8 @@ class Config:
     microbatches: int | Literal["auto"] = 1
     """Micro-batches per step for pipelined strategies, or "auto" to measure and pick."""
     schedule: Schedule = "1f1b"
-    """Pipeline schedule for "pp" and "ddp+pp"."""
+    """Pipeline schedule for "pp" and "ddp+pp"; "auto" measures the schedules that run this layout (1f1b,
+    zero-bubble, gpipe with one stage per worker; interleaved ones with several) with the micro-batch search."""
     balance: list[int] | BalanceMode = "time"
     """Layers per stage, or "time"/"memory"/"equal" to balance automatically."""
     stages_per_worker: int = 1

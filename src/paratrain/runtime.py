@@ -314,6 +314,9 @@ def destroy_process_group() -> None:
     if dist.is_initialized():
         import gc
 
+        from .collectives import settle
+
+        settle()  # a step's loss reduction nobody read finishes before its group goes
         gc.collect()
         dist.destroy_process_group()
     from . import file_store

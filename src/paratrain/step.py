@@ -35,6 +35,8 @@ class Step:
         """Micro-steps completed since the start (or since the checkpoint the run resumed from)."""
         self._set_sync = set_sync
         self._models: list[nn.Module] = []
+        self._armed: dict[int, bool] = {}
+        """The sync flag each model was last armed with: unchanged flags (no accumulation) cost nothing."""
 
     @property
     def at_boundary(self) -> bool:
@@ -46,10 +48,16 @@ class Step:
         """Whether the coming micro-step completes a window, and so must synchronise gradients."""
         return (self.count + 1) % self.accum == 0
 
+    def _arm(self, model: nn.Module) -> None:
+        sync = self.syncs
+        if self._armed.get(id(model)) is not sync:
+            self._set_sync(model, sync)
+            self._armed[id(model)] = sync
+
     def track(self, model: nn.Module) -> None:
         """A prepared model: its gradient sync follows the window from its first micro-step on."""
         self._models.append(model)
-        self._set_sync(model, self.syncs)
+        self._arm(model)
         randomness.at_micro_step(self.count)
 
     @contextmanager
@@ -57,21 +65,21 @@ class Step:
         """One micro-step of `model` (of every prepared model when None): sync set for it, counted after."""
         models = [model] if model is not None else self._models
         for m in models:
-            self._set_sync(m, self.syncs)
+            self._arm(m)
         try:
             yield
         finally:
             self.count += 1
             randomness.at_micro_step(self.count)  # dropout masks are drawn per micro-step
             for m in self._models:
-                self._set_sync(m, self.syncs)
+                self._arm(m)
 
     def restore(self, count: int) -> None:
         """Continue counting from a checkpoint, re-arming the sync flags for the micro-step that follows."""
         self.count = count
         randomness.at_micro_step(count)
         for m in self._models:
-            self._set_sync(m, self.syncs)
+            self._arm(m)
 
 
 class PreparedOptimizer(torch.optim.Optimizer):

@@ -42,19 +42,42 @@ class _DDP(DistributedDataParallel):
         return getattr(self.module, "plan", None)
 
 
-def _register_comm_hook(model: DistributedDataParallel, name: str | None) -> None:
+def _register_comm_hook(model: DistributedDataParallel, name: str | None, process_group: Any) -> None:
+    """The lossy hooks, each only when asked for by name: bf16/fp16 compression, PowerSGD (rank 2, with error
+    feedback, exact all-reduce for the first 10 steps as its authors advise)."""
     if name is None:
         return
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=process_group, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=10, use_error_feedback=True, warm_start=True)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return
     hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
-    model.register_comm_hook(None, hooks[name])
+    model.register_comm_hook(process_group, hooks[name])
 
 
-def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, process_group: Any = None) -> nn.Module:
-    """Wrap `model` (already on its device(s)) in DDP with the run's options."""
+def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, process_group: Any = None,
+              example: Any = None, device: torch.device | None = None) -> nn.Module:
+    """Wrap `model` (already on its device(s)) in DDP with the run's options; comm_hook="auto" measures the
+    exact settings on `example` (see `ddp_tuning`) and records its choice as `model.ddp_tuning`."""
     if not any(p.requires_grad for p in model.parameters()):
         raise ParatrainError("DDP needs at least one parameter with requires_grad=True")
+    if cfg.comm_hook == "auto":
+        from . import ddp_tuning
+        from .options import example_needed
+
+        if example is None:
+            raise example_needed("comm_hook='auto'", "it times DDP's exact settings on trial steps")
+        where = device or next(model.parameters()).device
+        wrapped, choice = ddp_tuning.choose(
+            model, cfg, device_ids, example, where,
+            lambda m, c: apply_ddp(m, c, device_ids, process_group))
+        wrapped.ddp_tuning = choice  # type: ignore[assignment]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"paratrain: {choice.describe()}", flush=True)
+        return wrapped
     kwargs: dict[str, Any] = {
         "device_ids": device_ids,
         "process_group": process_group,
@@ -65,7 +88,7 @@ def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, proce
     if cfg.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = cfg.bucket_cap_mb
     wrapped = _DDP(model, **kwargs)
-    _register_comm_hook(wrapped, cfg.comm_hook)
+    _register_comm_hook(wrapped, cfg.comm_hook, process_group)
     return wrapped
 
 
@@ -109,9 +132,9 @@ def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: 
 
 def forward_backward(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, backward: Any) -> torch.Tensor:
     """The plain micro-step (forward, loss, backward) on this rank's share; returns the mean loss over all
-    ranks, each holding an equal share of the global batch."""
-    from ..collectives import all_reduce
+    ranks, each holding an equal share of the global batch (reduced asynchronously: see `mean_later`)."""
+    from ..collectives import mean_later
 
     loss = loss_fn(model(inputs), targets)
     backward(loss)
-    return all_reduce(loss.detach().float(), op="mean")
+    return mean_later(loss)

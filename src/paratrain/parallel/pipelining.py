@@ -42,7 +42,7 @@ from .partition import Stage, layers_of, merged, split_into_stages
 from .plan import Plan
 from .tied import TiedGradients
 from .trial import step_time
-from .tuning import tune_microbatches
+from .tuning import tune_schedule
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -69,6 +69,15 @@ def _schedule_class(name: str, per_worker: int) -> type:
         return s.ScheduleZBVZeroBubble if per_worker == 2 else s.ScheduleInterleavedZeroBubble
     return {"gpipe": s.ScheduleGPipe, "1f1b": s.Schedule1F1B,
             "interleaved-1f1b": s.ScheduleInterleaved1F1B}[name]
+
+
+def auto_schedules(per_worker: int) -> list[str]:
+    """What schedule="auto" chooses among: the schedules that run the loop layout of `per_worker` stages per
+    worker (the V layout of zero-bubble with 2 stages per worker places stages differently, so it is only
+    run when asked for by name). The first is the one micro-batch counts are searched with."""
+    if per_worker == 1:
+        return ["1f1b", "zero-bubble", "gpipe"]
+    return ["interleaved-1f1b", *([] if per_worker == 2 else ["zero-bubble"])]
 
 
 def stage_indices(schedule: str, pp_rank: int, pp: int, per_worker: int) -> list[int]:
@@ -165,13 +174,16 @@ class PipelineModule(nn.Module):
             self._loss_saved = max(self._loss_saved, meter.current - before)
         return loss / self._loss_scale
 
-    def _schedule(self, microbatches: int, inputs: Any, training: bool = True, loss: bool = True) -> Any:
-        key = (microbatches, _signature(inputs), training, loss)
+    def _schedule(self, microbatches: int, inputs: Any, training: bool = True, loss: bool = True,
+                  schedule: str | None = None) -> Any:
+        # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
+        name = (schedule or self.schedule_name) if training or self.per_worker > 1 else "gpipe"
+        if name == "auto":  # a forward-only pass before the first step chose one
+            name = auto_schedules(self.per_worker)[0]
+        key = (microbatches, _signature(inputs), training, loss, name)
         if key not in self._schedules:
             stages = [_pipeline_stage_class()(stage, i, self.num_stages, self.device, group=self.group)
                       for stage, i in zip(self.local, self.ids)]
-            # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
-            name = self.schedule_name if training or self.per_worker > 1 else "gpipe"
             cls = _schedule_class(name, self.per_worker)
             try:
                 # The loss is scaled instead of the gradients (scale_grads=False): torch would divide all of
@@ -180,11 +192,12 @@ class PipelineModule(nn.Module):
                 sched = cls(first, microbatches, loss_fn=self._loss if loss else None, scale_grads=False)
             except ValueError as exc:
                 raise ParatrainError(
-                    f"schedule {self.schedule_name!r} with {self.num_stages} stages on {self.pp} workers "
+                    f"schedule {name!r} with {self.num_stages} stages on {self.pp} workers "
                     f"cannot run {microbatches} micro-batches: {exc}. Choose another microbatches "
                     "(a multiple of the workers is always accepted) or microbatches='auto'"
                 ) from None
-            self._schedules = {k: v for k, v in self._schedules.items() if k[0] != key[0] or k[2:] != key[2:]}
+            self._schedules = {k: v for k, v in self._schedules.items()
+                               if k[0] != key[0] or k[2:] != key[2:]}  # one input shape per count and kind
             self._schedules[key] = (sched, stages)
         return self._schedules[key]
 
@@ -202,8 +215,9 @@ class PipelineModule(nn.Module):
                 stage.inputs_spec = spec
         return tuple(leaves)
 
-    def _run(self, inputs: Any, targets: Any, microbatches: int, loss_scale: int) -> torch.Tensor | None:
-        sched, stages = self._schedule(microbatches, inputs)
+    def _run(self, inputs: Any, targets: Any, microbatches: int, loss_scale: int,
+             schedule: str | None = None) -> torch.Tensor | None:
+        sched, stages = self._schedule(microbatches, inputs, schedule=schedule)
         for stage in self.local:
             stage.row_cursor = 0  # each stage runs its micro-batches' forwards in order
         first = any(s.is_first for s in stages)
@@ -234,11 +248,15 @@ class PipelineModule(nn.Module):
         batch = batch_size(inputs)
         if isinstance(self.microbatches, int):
             check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
-        if self.microbatches == "auto":
-            self.microbatches = tune_microbatches(
-                self.plan, lambda m: self.measure(inputs, targets, m), self.candidates(batch), self.num_stages,
-                self.local)
-            self._schedules = {k: v for k, v in self._schedules.items() if k[0] == self.microbatches}
+        if self.microbatches == "auto" or self.schedule_name == "auto":
+            names = auto_schedules(self.per_worker) if self.schedule_name == "auto" else [self.schedule_name]
+            fixed = self.microbatches if isinstance(self.microbatches, int) else None
+            self.schedule_name, self.microbatches = tune_schedule(
+                self.plan, names, lambda name, m: self.measure(inputs, targets, m, schedule=name),
+                lambda name: [m for m in self.candidates(batch, name) if fixed is None or m == fixed],
+                self.num_stages, self.local)
+            self._schedules = {k: v for k, v in self._schedules.items()
+                               if k[0] == self.microbatches and k[4] == self.schedule_name}
         assert isinstance(self.microbatches, int)
         local = (self._measure_memory(inputs, targets, loss_scale) if self.plan.memory is None
                  else self._run(inputs, targets, self.microbatches, loss_scale))
@@ -300,22 +318,24 @@ class PipelineModule(nn.Module):
     def _last(self) -> Stage:
         return next(s for s in self.local if s.index == self.num_stages - 1)
 
-    def candidates(self, batch: int) -> list[int]:
-        """Micro-batch counts this schedule accepts for `batch` (equal micro-batches only)."""
+    def candidates(self, batch: int, schedule: str | None = None) -> list[int]:
+        """Micro-batch counts a schedule (this module's by default) accepts for `batch` (equal micro-batches)."""
+        name = schedule or self.schedule_name
         ok = []
         for m in divisors(batch):
-            if self.schedule_name == "1f1b" and m < self.num_stages:
+            if name == "1f1b" and m < self.num_stages:
                 continue
-            if self.schedule_name not in ("gpipe", "1f1b") and m % max(1, m // self.pp):
+            if name not in ("gpipe", "1f1b") and m % max(1, m // self.pp):
                 continue  # interleaved and zero-bubble schedules run whole rounds of pp micro-batches
             ok.append(m)
         return ok
 
-    def measure(self, inputs: Any, targets: Any, microbatches: int, repeats: int = 3) -> float:
-        """Seconds per step with `microbatches`, the slowest rank's (collective; call inside
-        `trial.no_trace` to keep the gradients a trial step makes out of training)."""
+    def measure(self, inputs: Any, targets: Any, microbatches: int, repeats: int = 3,
+                schedule: str | None = None) -> float:
+        """Seconds per step with `microbatches` (and `schedule`, default this module's), the slowest rank's
+        (collective; call inside `trial.no_trace` to keep the gradients a trial step makes out of training)."""
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
-        seconds = step_time(lambda: self._run(inputs, targets, microbatches, 1), repeats=repeats, warmup=1,
+        seconds = step_time(lambda: self._run(inputs, targets, microbatches, 1, schedule), repeats=repeats, warmup=1,
                             devices=[self.device])
         return max_over_world(seconds, self.device)
 
@@ -356,10 +376,10 @@ def _takes_return_outputs(schedule: Any) -> bool:
 
 def global_loss(local: torch.Tensor | None, replicas: int, device: torch.device) -> torch.Tensor:
     """The global-batch mean loss on every rank: only last-stage ranks hold one (one per replica)."""
-    from ..collectives import all_reduce
+    from ..collectives import mean_later
 
     value = local if local is not None else torch.zeros((), device=device)
-    return all_reduce(value.detach().float(), op="sum") / replicas
+    return mean_later(value, divide_by=replicas)
 
 
 def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, device: torch.device) -> Any:

@@ -25,6 +25,8 @@ class Plan:
     """Measured per-layer costs behind a "time"/"memory" balance (None for explicit or equal)."""
     search: Search | None = None
     """The measured micro-batch curve when microbatches="auto"."""
+    schedule_curve: dict[str, float] | None = None
+    """With schedule="auto": seconds per trial step of every (schedule, micro-batch count) measured."""
     memory: list[StageMemory] | None = None
     """Per worker (pp) or per device (mp): parameters, activations and the schedule's bound."""
     notes: list[str] = field(default_factory=list)
@@ -41,6 +43,7 @@ class Plan:
             "schedule": self.schedule, "balance": self.balance,
             "layer_costs": [c.as_dict() for c in self.layer_costs] if self.layer_costs else None,
             "search": self.search.as_dict() if self.search else None,
+            "schedule_curve": self.schedule_curve,
             "memory": [m.as_dict() for m in self.memory] if self.memory else None,
             "notes": list(self.notes),
         }

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._tree import map_tensors
 from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import apply_ddp, evaluate, forward_backward, set_ddp_sync
@@ -25,6 +26,11 @@ class DDP:
     def check(self, ctx: Context) -> None:
         if not dist.is_available():
             raise ParatrainError("this torch build has no torch.distributed; install a build with it")
+        if ctx.config.comm_hook == "powersgd" and ctx.device.type != "cuda":
+            raise ParatrainError(
+                "comm_hook='powersgd' issues its collectives from completion callbacks, which gloo (CPU workers) "
+                "can run in a different order on each rank once the gradients span several buckets (a collective "
+                "mismatch); on CPU workers use comm_hook='bf16' (lossy) or 'auto' (exact), or run powersgd on GPUs")
 
     def bound(self, ctx: Context) -> float:
         return float(ctx.placement.world_size)
@@ -35,7 +41,9 @@ class DDP:
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
                              "strategy 'ddp'").to(ctx.device)
-        return apply_ddp(model, ctx.config, [ctx.device.index] if ctx.device.type == "cuda" else None)
+        example = map_tensors(lambda t: t.to(ctx.device), example) if example is not None else None
+        return apply_ddp(model, ctx.config, [ctx.device.index] if ctx.device.type == "cuda" else None,
+                         example=example, device=ctx.device)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return ctx.placement.rank, ctx.placement.world_size

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..collectives import all_reduce, max_over_world, mean_over_world
+from ..collectives import max_over_world, mean_later, mean_over_world
 from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import apply_ddp, evaluate, set_ddp_sync
@@ -68,7 +68,7 @@ class DataModelParallel:
             raise ParatrainError("strategy 'ddp+mp': pass the model returned by run.prepare to forward_backward")
         loss = train_step(model, model.module, inputs, targets, loss_fn, backward, no_sync=model.no_sync,
                           reduce_max=lambda v: max_over_world(v, ctx.device))
-        return all_reduce(loss.detach().float(), op="mean")
+        return mean_later(loss)
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
