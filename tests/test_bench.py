@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import paratrain
 
-from paratrain import strategies
+from paratrain import ParatrainError, strategies
 from paratrain.bench import gpt, jobs, mfu, plots, references, report, schema, workloads
 from paratrain.cli import main as cli_main
 
@@ -137,7 +137,7 @@ def test_finalise_derives_medians_speedups_bounds_and_reference_ratios() -> None
     assert "| tokens/s | MFU |" in report.markdown(typed["runs"]) and "72.7%" in report.table(typed["runs"])
 
 
-def test_schema_reads_version_1_and_requires_version_2_fields() -> None:
+def test_schema_reads_version_1_and_requires_the_current_fields() -> None:
     current = schema.as_json(_fake_results())
     old = json.loads(json.dumps(current))
     old["schema"] = "paratrain-bench/1"
@@ -145,7 +145,7 @@ def test_schema_reads_version_1_and_requires_version_2_fields() -> None:
         del run["tokens_per_s"], run["mfu"]
     typed = schema.from_json(old)["runs"]  # version 1 still reads: the new fields are null
     assert typed[1].median == 0.55 and typed[1].mfu is None and typed[1].tokens_per_s is None
-    with pytest.raises(ValueError, match="expected 'paratrain-bench/2'"):
+    with pytest.raises(ValueError, match="expected 'paratrain-bench/3'"):
         schema.validate(old)
     with pytest.raises(ValueError, match="this paratrain reads"):
         schema.from_json({**old, "schema": "paratrain-bench/9"})
@@ -285,6 +285,36 @@ def test_hand_cut_gpt_keeps_the_tied_weight_exact() -> None:
     torch.testing.assert_close(first.detach(), whole.embed.tok.weight.detach())
 
 
+def test_plan_times_comm_hooks_and_schedules_side_by_side() -> None:
+    settings = jobs.Settings(workload="mlp", batch=64, steps=1, warmup=1, repeat=1,
+                             comm_hooks=("none", "auto", "bf16"), schedule="1f1b,zero-bubble")
+    p = jobs.build(jobs.parse_strategies("ddp,pp"), [2], [4], settings)
+    specs = {(s.strategy, s.schedule, s.options) for job in p.jobs for s in job.specs}
+    assert {("ddp", None, ()), ("ddp", None, (("comm_hook", "auto"),)), ("ddp", None, (("comm_hook", "bf16"),)),
+            ("torch-ddp", None, ()), ("no-comm", None, ())} <= specs
+    assert ("pp", "1f1b", ()) in specs and ("pp", "zero-bubble", (("stages_per_worker", 2),)) in specs
+    assert ("torch-pipelining", "1f1b", ()) in specs  # the hand-written twin covers 1f1b and gpipe only
+    assert _skipped(p)[("torch-pipelining", 2, 4)][0] == "not-applicable"
+    labels = {s.label for job in p.jobs for s in job.specs}
+    assert "ddp comm_hook=auto" in labels and "pp stages_per_worker=2 M=4" in labels
+    with pytest.raises(ParatrainError, match="Did you mean .zero-bubble."):
+        jobs.schedules("zero-bubbel")
+
+
+def test_lossy_options_show_their_final_loss_beside_the_exact_run() -> None:
+    def run(options: tuple[tuple[str, str], ...], loss: float) -> schema.RunRecord:
+        record = schema.record(jobs.Spec("ddp", 2, options=options), "ok", None, 2.0, [0.5, 0.5], 10.0)
+        record.final_loss = loss
+        return record
+
+    single = schema.record(jobs.Spec("single", 1), "ok", None, 1.0, [1.0, 1.0], 10.0)
+    runs = schema.finalise([single, run((), 0.5), run((("comm_hook", "bf16"),), 0.5012)], 8)
+    table = report.table(runs)
+    assert "final loss" in table and "0.50120" in table and "ddp bf16" in table
+    assert runs[2].options == {"comm_hook": "bf16"}
+    assert any("with comm_hook=bf16" in line for line in report.summary(runs))
+
+
 # -- tier 4: the CLI end to end on real workers --------------------------------------------------------
 
 
@@ -360,7 +390,7 @@ def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
     cfg = gpt.SIZES["tiny"]
-    assert results["schema"] == "paratrain-bench/2" and results["settings"]["gpt_size"] == "tiny"
+    assert results["schema"] == schema.SCHEMA and results["settings"]["gpt_size"] == "tiny"
     assert results["workload"]["tokens_per_sample"] == cfg.seq
     assert results["workload"]["flops_per_step"] == gpt.flops_per_token(cfg) * 8 * cfg.seq
     peak = results["machine"]["peak"]
@@ -377,3 +407,25 @@ def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
     assert proc.returncode == (1 if any(r["status"] == "failed" for r in runs.values()) else 0), proc.stdout[-4000:]
     assert "model FLOPs:" in proc.stdout and "| tokens/s | MFU |" in (out / "table.md").read_text()
     _png(out / "throughput.png")
+
+
+def test_bench_times_comm_hooks_and_schedule_auto(tmp_path: Path) -> None:
+    """ddp with torch's settings, comm_hook=auto and bf16 side by side, and pp with schedule=auto: each
+    measured, each paratrain run reporting its final loss (the lossy one's effect is visible)."""
+    out = tmp_path / "bench"
+    proc = paratrain("bench", "--workload", "mlp-wide", "--strategies", "ddp,pp", "--workers", "2",
+                     "--comm-hook", "none,auto,bf16", "--schedule", "auto", "--microbatches", "2",
+                     "--batch-size", "8", "--steps", "1", "--repeat", "1", "--warmup", "1", "--no-reference",
+                     "--out", str(out), timeout=200)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    schema.validate(results)
+    runs = {(r["strategy"], r["options"].get("comm_hook"), r["schedule"]): r for r in results["runs"]}
+    assert set(runs) == {("single", None, None), ("ddp", None, None), ("ddp", "auto", None),
+                         ("ddp", "bf16", None), ("pp", None, "auto")}
+    for run in runs.values():
+        assert run["status"] == "ok" and run["final_loss"] is not None
+    exact, lossy = runs[("ddp", None, None)]["final_loss"], runs[("ddp", "bf16", None)]["final_loss"]
+    assert runs[("ddp", "auto", None)]["final_loss"] == pytest.approx(exact, abs=1e-6)  # exact settings only
+    assert lossy == pytest.approx(exact, rel=1e-2)
+    assert "comm_hook auto ->" in proc.stdout and "schedule auto ->" in proc.stdout

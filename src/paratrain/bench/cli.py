@@ -23,7 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "single always runs, as the baseline")
     p.add_argument("--workers", default=None, help="workers for ddp/pp/ddp+pp, e.g. 2 or 2,4 (default: GPUs, or 2)")
     p.add_argument("--microbatches", default="auto", help="auto (1,2,4,8 where they divide the batch) or e.g. 2,4,8")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule for pp: gpipe, 1f1b, ...")
+    p.add_argument("--schedule", default="1f1b",
+                   help="pipeline schedule(s) for pp, e.g. 1f1b or 1f1b,zero-bubble,interleaved-1f1b (the last two "
+                        "with 2 stages per worker)")
+    p.add_argument("--comm-hook", default="none",
+                   help="DDP gradient communication to time side by side, e.g. none,auto,bf16: none (torch's "
+                        "defaults), auto (exact settings measured), bf16, fp16 or powersgd (lossy: the final "
+                        "loss column shows their effect)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default: the workload's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per repeat (default: the workload's)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the workload's)")
@@ -46,6 +52,21 @@ def _positive(value: int | None, default: int, flag: str, minimum: int = 1) -> i
     return value
 
 
+def _comm_hooks(text: str) -> tuple[str, ...]:
+    from typing import get_args
+
+    from ..config import CommHook
+
+    known = ("none", *get_args(CommHook))
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip())) or ("none",)
+    for name in names:
+        if name not in known:
+            from ..errors import unknown_name
+
+            raise unknown_name("--comm-hook", name, known)
+    return names
+
+
 def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
     parts = ["paratrain bench", f"--model {ns.model}" if ns.model else f"--workload {ns.workload}",
              f"--strategies {ns.strategies}", f"--workers {','.join(map(str, workers))}",
@@ -56,6 +77,7 @@ def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
     parts += ["--channels-last"] if settings.channels_last else []
     parts += [f"--image-size {settings.image}"] if settings.image else []
     parts += [f"--gpt-size {settings.gpt_size}"] if settings.gpt_size else []
+    parts += [f"--comm-hook {','.join(settings.comm_hooks)}"] if settings.comm_hooks != ("none",) else []
     parts += ["--no-reference"] if ns.no_reference else []
     return " ".join(parts + [f"--out {ns.out}"])
 
@@ -76,7 +98,8 @@ def main(ns: argparse.Namespace) -> int:
         steps=_positive(ns.steps, workload.steps, "--steps"),
         warmup=_positive(ns.warmup, workload.warmup, "--warmup", minimum=0),
         repeat=_positive(ns.repeat, workload.repeat, "--repeat"),
-        schedule=ns.schedule, precision=ns.precision, channels_last=ns.channels_last,
+        schedule=",".join(planning.schedules(ns.schedule)), precision=ns.precision, channels_last=ns.channels_last,
+        comm_hooks=_comm_hooks(ns.comm_hook),
     )
     jobs = planning.build(names, workers, microbatches, settings, references=not ns.no_reference)
     model = workload.model()

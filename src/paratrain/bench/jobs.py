@@ -12,7 +12,7 @@ micro-batch count), so one set of worker processes times them in turns, A B A B.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,19 @@ CEILING = "no-comm"
 strategy can be on this machine (it exposes shared cores, memory bandwidth and SMT siblings). Runs beside
 the strategy whose reference is torch-ddp."""
 AUTO_MICROBATCHES = (1, 2, 4, 8)
+TWO_PER_WORKER = ("interleaved-1f1b", "zero-bubble")
+"""Schedules the bench runs with 2 stages per worker (torch's loop and V layouts)."""
+
+
+def schedules(text: str) -> list[str]:
+    """`--schedule 1f1b,zero-bubble`: the schedules to time, each checked by name."""
+    from ..config import SCHEDULES
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for name in names:
+        if name not in SCHEDULES:
+            raise unknown_name("schedule", name, SCHEDULES)
+    return names or ["1f1b"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +64,8 @@ class Settings:
     precision: str = "32"
     channels_last: bool = False
     gpus: int = 0
+    comm_hooks: tuple[str, ...] = ("none",)
+    """DDP communication settings to time side by side (`--comm-hook`): none (torch's), auto, or a lossy one."""
     timeout_s: float = 120.0
     """Seconds a collective may wait inside a worker before the configuration is reported failed."""
 
@@ -67,10 +82,13 @@ class Spec:
     """Stage devices of a one-process pipeline (mp, torch-pipeline)."""
     bound: float = field(default=1.0, compare=False)
     """The best speedup over one worker the layout allows, as its strategy states it."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """More `paratrain.setup` options of this configuration (e.g. comm_hook), beyond the defaults."""
 
     @property
     def label(self) -> str:
-        return self.strategy + (f" M={self.microbatches}" if self.microbatches is not None else "")
+        extra = "".join(f" {k}={v}" for k, v in self.options)
+        return self.strategy + extra + (f" M={self.microbatches}" if self.microbatches is not None else "")
 
 
 @dataclass(frozen=True)
@@ -144,23 +162,29 @@ class _Builder:
         return [spec, twin, *ceiling]
 
     def pipelined(self, strategy: Strategy, nproc: int, counts: list[int]) -> list[Spec]:
-        """One spec per micro-batch count, on the configured schedule, or GPipe where the strategy says
-        the schedule cannot run that count (1F1B needs at least as many micro-batches as stages)."""
-        specs = []
-        for m in counts:
-            schedules = [self.s.schedule, "gpipe"] if strategy.scheduled else [None]
-            for i, schedule in enumerate(schedules):
-                options = {"microbatches": m, **({"schedule": schedule} if schedule else {})}
-                ctx = context(strategy.name, nproc, self.s, **options)
-                try:
-                    strategy.check(ctx)
-                except ParatrainError as exc:
-                    if i + 1 == len(schedules):
-                        self.skip(Spec(strategy.name, nproc, m, schedule), str(exc))
-                    continue
-                workers = nproc * len(set(strategy.devices(ctx)))
-                specs.append(Spec(strategy.name, workers, m, schedule, _devices(strategy, ctx), strategy.bound(ctx)))
-                break
+        """One spec per micro-batch count and requested schedule, or GPipe where the strategy says the schedule
+        cannot run that count (1F1B needs at least as many micro-batches as stages). Interleaved and
+        zero-bubble schedules run 2 stages per worker (the loop and V layouts)."""
+        specs: list[Spec] = []
+        requested = schedules(self.s.schedule) if strategy.scheduled else [None]
+        for first in requested:
+            for m in counts:
+                for i, schedule in enumerate([first, "gpipe"] if first not in (None, "gpipe") else [first]):
+                    extra = (("stages_per_worker", 2),) if schedule in TWO_PER_WORKER else ()
+                    options = {"microbatches": m, **({"schedule": schedule} if schedule else {}), **dict(extra)}
+                    ctx = context(strategy.name, nproc, self.s, **options)
+                    try:
+                        strategy.check(ctx)
+                    except ParatrainError as exc:
+                        if i == 1 or first in (None, "gpipe"):
+                            self.skip(Spec(strategy.name, nproc, m, schedule, options=extra), str(exc))
+                        continue
+                    workers = nproc * len(set(strategy.devices(ctx)))
+                    spec = Spec(strategy.name, workers, m, schedule, _devices(strategy, ctx), strategy.bound(ctx),
+                                options=extra)
+                    if spec not in specs:
+                        specs.append(spec)
+                    break
         return specs
 
     def add(self, name: str, workers: int) -> None:
@@ -184,7 +208,21 @@ class _Builder:
         title = f"{name}{' vs ' + REFERENCE[name] if name in REFERENCE and self.references else ''}, {where}"
         if not strategy.microbatched:
             spec = Spec(name, nproc * len(set(strategy.devices(ctx))), devices=None, bound=strategy.bound(ctx))
-            self.out.jobs.append(Job(nproc, tuple(self.with_reference(spec)), title))
+            variants = [spec]
+            for hook in self.s.comm_hooks if name == "ddp" else ():
+                if hook == "none":
+                    continue
+                variant = replace(spec, options=(("comm_hook", hook),))
+                try:
+                    strategy.check(context(name, nproc, self.s, comm_hook=hook))
+                except ParatrainError as exc:
+                    self.skip(variant, str(exc))
+                    continue
+                variants.append(variant)
+            if name == "ddp" and "none" not in self.s.comm_hooks:
+                variants = variants[1:] or [spec]
+            specs = [*self.with_reference(variants[0]), *variants[1:]]
+            self.out.jobs.append(Job(nproc, tuple(specs), title))
             return
         per_replica = self.s.batch // replicas
         counts = list(AUTO_MICROBATCHES) if self.microbatches is None else self.microbatches

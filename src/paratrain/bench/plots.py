@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .jobs import CEILING  # noqa: E402
+from .report import name  # noqa: E402
 from .schema import PIPELINED, RunRecord, quantile  # noqa: E402
 
 PARATRAIN_COLOR, TORCH_COLOR, CEILING_COLOR = "tab:blue", "tab:orange", "tab:gray"
@@ -33,10 +34,10 @@ def _iqr_bars(runs: list[RunRecord]) -> list[list[float]]:
 
 
 def best_per_configuration(runs: list[RunRecord]) -> list[RunRecord]:
-    """Each (strategy, workers) once; for pipelines the fastest micro-batch count."""
+    """Each (strategy and options, workers) once; for pipelines the fastest micro-batch count."""
     best: dict[tuple[str, int], RunRecord] = {}
     for r in _ok(runs):
-        key = (r.strategy, r.workers)
+        key = (name(r), r.workers)
         if key not in best or r.median < best[key].median:
             best[key] = r
     return list(best.values())
@@ -52,7 +53,7 @@ def _workers(n: int) -> str:
 
 
 def _label(r: RunRecord) -> str:
-    text = f"{r.strategy}\n{_workers(r.workers)}"
+    text = f"{name(r)}\n{_workers(r.workers)}"
     return text + (f"\nM={r.microbatches}" if r.microbatches is not None else "")
 
 
@@ -60,20 +61,27 @@ def _title(results: dict[str, Any]) -> str:
     return f"{results['workload']['name']}, global batch {results['global_batch']}"
 
 
-def bar_chart(results: dict[str, Any], path: Path) -> Path:
-    runs = best_per_configuration(results["runs"])
+def _bars(runs: list[RunRecord], heights: list[float], notes: list[str | None], ylabel: str,
+          **style: Any) -> tuple[Any, Any]:
+    """One bar per run in the strategy colours, each with its note above it and its label below."""
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
-    colors = _colors(runs)
-    bars = ax.bar(range(len(runs)), [r.median for r in runs], yerr=_iqr_bars(runs), align="center",
-                  alpha=0.6, ecolor="red", capsize=8, width=0.6, color=colors)
-    for bar, r in zip(bars, runs):
-        if r.speedup_vs_single is not None:
-            ax.annotate(f"{r.speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+    bars = ax.bar(range(len(runs)), heights, align="center", alpha=0.6, width=0.6, color=_colors(runs), **style)
+    for bar, note in zip(bars, notes):
+        if note is not None:
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("time per training step (s), median")
+    ax.set_ylabel(ylabel)
     ax.set_xticks(range(len(runs)))
     ax.set_xticklabels([_label(r) for r in runs], fontsize=8)
     ax.yaxis.grid(True)
+    return fig, ax
+
+
+def bar_chart(results: dict[str, Any], path: Path) -> Path:
+    runs = best_per_configuration(results["runs"])
+    fig, ax = _bars(runs, [r.median for r in runs],
+                    [f"{r.speedup:.2f}x" if r.speedup_vs_single is not None else None for r in runs],
+                    "time per training step (s), median", yerr=_iqr_bars(runs), ecolor="red", capsize=8)
     ax.set_title(f"{_title(results)}\nblue: paratrain, orange: hand-written PyTorch, gray: no-communication "
                  "ceiling", fontsize=9)
     return _save(fig, path)
@@ -84,19 +92,10 @@ def throughput(results: dict[str, Any], path: Path) -> Path | None:
     runs = [r for r in best_per_configuration(results["runs"]) if r.tokens_per_s is not None]
     if not runs:
         return None
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(runs) + 1), 4.2))
-    colors = _colors(runs)
-    bars = ax.bar(range(len(runs)), [r.tokens_per_s or 0.0 for r in runs], align="center", alpha=0.6, width=0.6,
-                  color=colors)
+    fig, ax = _bars(runs, [r.tokens_per_s or 0.0 for r in runs],
+                    [f"MFU {100 * r.mfu:.3g}%" if r.mfu is not None else None for r in runs],
+                    "tokens per second (median step)")
     ax.set_ylim(0, 1.12 * max(r.tokens_per_s or 0.0 for r in runs))  # room for the labels
-    for bar, r in zip(bars, runs):
-        if r.mfu is not None:
-            ax.annotate(f"MFU {100 * r.mfu:.3g}%", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("tokens per second (median step)")
-    ax.set_xticks(range(len(runs)))
-    ax.set_xticklabels([_label(r) for r in runs], fontsize=8)
-    ax.yaxis.grid(True)
     peak = results.get("machine", {}).get("peak") or {}
     note = f"MFU against {peak['dtype']} peak: {peak['source']}" if peak.get("flops_per_s") else "MFU: peak unknown"
     ax.set_title(f"{_title(results)}\n" + "\n".join(textwrap.wrap(note, 90)), fontsize=8)

@@ -11,7 +11,7 @@ from .schema import RunRecord
 Column = tuple[str, int, Callable[[RunRecord], str]]
 
 COLUMNS: list[Column] = [
-    ("strategy", 16, lambda r: r.strategy),
+    ("strategy", 16, lambda r: name(r)),
     ("workers", 7, lambda r: str(r.workers)),
     ("micro", 5, lambda r: _opt(r.microbatches)),
     ("sched", 5, lambda r: _opt(r.schedule)),
@@ -26,12 +26,21 @@ COLUMNS: list[Column] = [
     ("peak MB", 8, lambda r: _num(r.peak_memory_mb, ".0f")),
     ("status", 14, lambda r: r.status),
 ]
+LOSS: Column = ("final loss", 10, lambda r: _num(r.final_loss, ".5f"))
+"""Shown when runs differ in options: a lossy option's effect on the loss beside the exact run's."""
 """The columns of every table; `columns` adds tokens/s and MFU after samples/s where a run has them."""
 TOKENS: Column = ("tokens/s", 9, lambda r: _num(r.tokens_per_s, ".0f"))
 MFU: Column = ("MFU", 6, lambda r: _percent(r.mfu))
 
 
 _NOT_PARATRAIN = (*REFERENCE.values(), CEILING)
+_SHORT = {"comm_hook": "", "stages_per_worker": "V="}
+"""How the strategy column names an option: `ddp auto` (comm_hook), `pp V=2` (stages per worker)."""
+
+
+def name(r: RunRecord) -> str:
+    """The run's strategy with the options it was given: `ddp auto`, `pp V=2`."""
+    return r.strategy + "".join(f" {_SHORT.get(k, k + '=')}{v}" for k, v in r.options.items())
 
 
 def _opt(value: Any) -> str:
@@ -42,13 +51,15 @@ def _num(value: float | None, fmt: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{unit}"
 
 
-def columns(tokens: bool = False, mfu: bool = False) -> list[Column]:
+def columns(tokens: bool = False, mfu: bool = False, loss: bool = False) -> list[Column]:
     at = [name for name, _, _ in COLUMNS].index("samples/s") + 1
-    return [*COLUMNS[:at], *([TOKENS] if tokens else []), *([MFU] if mfu else []), *COLUMNS[at:]]
+    return [*COLUMNS[:at], *([TOKENS] if tokens else []), *([MFU] if mfu else []), *COLUMNS[at:-1],
+            *([LOSS] if loss else []), COLUMNS[-1]]
 
 
 def columns_for(runs: list[RunRecord]) -> list[Column]:
-    return columns(tokens=any(r.tokens_per_s is not None for r in runs), mfu=any(r.mfu is not None for r in runs))
+    return columns(tokens=any(r.tokens_per_s is not None for r in runs), mfu=any(r.mfu is not None for r in runs),
+                   loss=any(r.options for r in runs))
 
 
 def _percent(fraction: float | None) -> str:
@@ -91,25 +102,28 @@ def comparisons(runs: list[RunRecord]) -> list[str]:
 def summary(runs: list[RunRecord]) -> list[str]:
     """The fastest configuration of each paratrain strategy and worker count, against its bound, the
     no-communication ceiling and its hand-written twin."""
-    best: dict[tuple[str, int], RunRecord] = {}
+    best: dict[tuple[str, int, str | None, tuple[tuple[str, Any], ...]], RunRecord] = {}
     for r in runs:
         if r.status == "ok" and r.speedup_vs_single is not None and r.strategy not in _NOT_PARATRAIN:
-            key = (r.strategy, r.workers)
+            key = (r.strategy, r.workers, r.schedule, tuple(r.options.items()))
             if key not in best or r.median < best[key].median:
                 best[key] = r
     ceilings = {r.workers: r.speedup_vs_single for r in runs
                 if r.strategy == "no-comm" and r.speedup_vs_single is not None}
     out = []
-    for (strategy, workers), r in best.items():
+    for (strategy, workers, _, _), r in best.items():
         if strategy == "single":
             continue
         m = f", M={r.microbatches}" if r.microbatches is not None else ""
+        m += f", {r.schedule}" if r.schedule is not None else ""
         line = (f"{strategy} on {workers} worker(s){m}: {r.speedup_vs_single:.2f}x single, "
                 f"{r.speedup / r.bound:.0%} of its bound {r.bound:.2f}x")
         if workers in ceilings:
             line += f"; no-communication ceiling here {ceilings[workers]:.2f}x"
         if r.vs_reference is not None:
             line += f"; {r.vs_reference:.3f} x {r.reference}"
+        if r.options:
+            line += f"; with {', '.join(f'{k}={v}' for k, v in r.options.items())}"
         if r.tokens_per_s is not None:
             line += f"; {r.tokens_per_s:.0f} tokens/s"
         if r.mfu is not None:

@@ -53,4 +53,6 @@ def run_jobs(jobs: JobList, settings: Settings, job_timeout: float, say: Callabl
 def _from_worker(item: dict[str, Any]) -> RunRecord:
     spec: Spec = item["spec"]
     status = "failed" if item["reason"] else "ok"
-    return schema.record(spec, status, item["reason"], spec.bound, item["step_times_s"], item["peak_memory_mb"])
+    done = schema.record(spec, status, item["reason"], spec.bound, item["step_times_s"], item["peak_memory_mb"])
+    done.final_loss = item.get("final_loss")
+    return done

@@ -1,6 +1,6 @@
 """`results.json`: the contract other tools (and docs/benchmarks.md) read.
 
-    {"schema": "paratrain-bench/2", "created": ISO time, "command": "...",
+    {"schema": "paratrain-bench/3", "created": ISO time, "command": "...",
      "paratrain": {"version", "commit"},
      "machine": {"cpu", "cores", "cores_total", "gpus", "torch", "python", "platform",
                  "peak": {"flops_per_s", "dtype", "source", "per_worker"}},
@@ -10,15 +10,15 @@
      "settings": {"steps", "warmup", "repeat", "schedule", "precision", "channels_last", "gpt_size"},
      "runs": [{"strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
                "samples_per_s", "tokens_per_s", "mfu", "speedup_vs_single", "scaling_efficiency", "bound",
-               "peak_memory_mb", "reference", "vs_reference", "status", "reason"}, ...]}
+               "peak_memory_mb", "reference", "vs_reference", "status", "reason", "options", "final_loss"}, ...]}
 
 `no-comm` (beside ddp) is the ceiling of data parallelism here: every worker computing its share with
 no communication. `microbatches` is null unless pipelined, `schedule` null unless `pp`-like; derived numbers are null
 unless the run is `ok`; `reason` is null exactly when it is `ok`. `tokens_per_s` is null unless the workload
 trains on tokens; `mfu` (model FLOPs utilisation, see `mfu.py`) is null when the step's FLOPs or the
 devices' peak are unknown. Version 2 added `tokens_per_s`, `mfu`, `machine.peak`, the workload's
-`tokens_per_sample`, `flops_per_step` and `flops_method`, and `settings.gpt_size`; every version-1 field
-is kept, and `from_json` reads version-1 files too.
+`tokens_per_sample`, `flops_per_step` and `flops_method`, and `settings.gpt_size`; version 3 added each run's
+`options` and `final_loss`. Every older field is kept, and `from_json` reads versions 1 and 2 too.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 
 from .jobs import BENCH_STRATEGIES, CEILING, REFERENCE, Spec
 
-SCHEMA = "paratrain-bench/2"
-OLDER = ("paratrain-bench/1",)
+SCHEMA = "paratrain-bench/3"
+OLDER = ("paratrain-bench/1", "paratrain-bench/2")
 """Versions `from_json` still reads (their missing fields are null)."""
 STATUSES = ("ok", "not-applicable", "failed")
 STRATEGIES = (*BENCH_STRATEGIES, *REFERENCE.values(), CEILING)
@@ -73,6 +73,11 @@ class RunRecord:
     vs_reference: float | None = None
     status: str
     reason: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """More `paratrain.setup` options this run was given (e.g. {"comm_hook": "auto"}); {} for the defaults."""
+    final_loss: float | None = None
+    """paratrain's global-batch loss after the run's last step (every side trains the same steps from the same
+    weights: a lossy option's effect is its difference from the exact run's); null for references."""
 
     @property
     def median(self) -> float:
@@ -111,7 +116,8 @@ def record(spec: Spec, status: str, reason: str | None, bound: float, step_times
            peak_mb: float | None = None) -> RunRecord:
     """A run before the derived numbers (medians, speedups) are filled in by `finalise`."""
     return RunRecord(strategy=spec.strategy, workers=spec.workers, microbatches=spec.microbatches,
-                     schedule=spec.schedule, step_times_s=[round(t, 6) for t in step_times or []],
+                     schedule=spec.schedule, options=dict(spec.options),
+                     step_times_s=[round(t, 6) for t in step_times or []],
                      bound=round(bound, 4), peak_memory_mb=peak_mb, reference=REFERENCE.get(spec.strategy),
                      status=status, reason=reason)
 
@@ -146,8 +152,8 @@ def finalise(runs: list[RunRecord], global_batch: int, *, tokens_per_sample: int
             speedup = single.median_step_s / run.median_step_s
             run.speedup_vs_single = round(speedup, 4)
             run.scaling_efficiency = round(speedup / run.workers, 4)
-        ref = next((r for r in runs if r.strategy == run.reference and r.status == "ok"
-                    and r.workers == run.workers and r.microbatches == run.microbatches), None)
+        ref = next((r for r in runs if r.strategy == run.reference and r.status == "ok" and r.workers == run.workers
+                    and r.microbatches == run.microbatches and r.schedule == run.schedule), None)
         if ref is not None and ref.median_step_s is not None:
             run.vs_reference = round(run.median_step_s / ref.median_step_s, 4)
     return runs

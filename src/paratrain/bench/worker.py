@@ -1,5 +1,6 @@
 """What runs in every worker process of one job: build each configuration, warm it up, then time them
-in turns (A B A B ...), so a slow spell of the machine hits paratrain and its reference alike.
+in turns (A B A B ...), so a slow spell of the machine hits paratrain and its reference alike. The order
+rotates every round (A B C, B C A, C A B), so no configuration always runs first or right after another.
 
 A step ends when the slowest worker ends it, so each step's time is the maximum over ranks. A
 configuration that raises is dropped after all ranks agree on it (with its reason); the others go on.
@@ -29,13 +30,24 @@ from .workloads import Batch, Workload
 @dataclass
 class _Side:
     spec: Spec
-    step: Callable[[], None] | None = None
+    step: Callable[[], Any] | None = None
     reason: str | None = None
     times: list[float] = field(default_factory=list)
     peak_mb: float = 0.0
+    loss: Any = None
+    """What the latest step returned: the global-batch loss on paratrain's side (None for references)."""
+
+    def timed_step(self) -> None:
+        assert self.step is not None
+        self.loss = self.step()
+
+    def final_loss(self) -> float | None:
+        """The loss of the last step: every side trains the same steps from the same weights, so a lossy
+        option's effect shows against the exact side's."""
+        return round(float(self.loss), 7) if isinstance(self.loss, torch.Tensor) else None
 
 
-def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settings) -> Callable[[], None]:
+def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settings) -> Callable[[], torch.Tensor]:
     """The user's loop through the public API only: setup, prepare, prepare_loader, forward_backward, step."""
     options: dict[str, Any] = {"strategy": spec.strategy, "seed": references.SEED,
                                "precision": settings.precision, "timeout_s": settings.timeout_s}
@@ -45,6 +57,7 @@ def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settin
             options["schedule"] = spec.schedule
     if spec.devices is not None:
         options["devices"] = list(spec.devices)
+    options.update(spec.options)
     run = paratrain.setup(**options)
     model = workload.model()
     if settings.channels_last:
@@ -57,10 +70,11 @@ def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settin
     model.train()
     loss_fn = workload.loss()
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         optimizer.zero_grad()
-        run.forward_backward(model, inputs, targets, loss_fn)
+        loss = run.forward_backward(model, inputs, targets, loss_fn)
         optimizer.step()
+        return loss
 
     return step
 
@@ -105,13 +119,13 @@ def _block(side: _Side, count: int, device: torch.device) -> list[float]:
     """`count` steps of one side, timed by the bench's one harness."""
     assert side.step is not None
     devices = [torch.device(d) for d in side.spec.devices] if side.spec.devices else [device]
-    times, peak_mb = time_steps(side.step, count, devices, device)
+    times, peak_mb = time_steps(side.timed_step, count, devices, device)
     side.peak_mb = max(side.peak_mb, peak_mb)
     return times
 
 
 def _build(spec: Spec, workload: Workload, data: Batch, settings: Settings,
-           device: torch.device) -> Callable[[], None]:
+           device: torch.device) -> Callable[[], Any]:
     reference = references.BUILDERS.get(spec.strategy)
     if reference is not None:
         return reference(spec, workload, data, settings, device)
@@ -146,7 +160,7 @@ def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
         if side.step is not None and settings.warmup:
             _guarded(side, functools.partial(_block, side, settings.warmup, device))
     for r in range(settings.repeat):
-        for side in sides:
+        for side in sides[r % len(sides):] + sides[:r % len(sides)]:  # each side leads in turn: no seat is favoured
             if side.step is None:
                 continue
             times = _guarded(side, functools.partial(_block, side, settings.steps, device))
@@ -155,4 +169,4 @@ def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
                 median = sorted(times)[len(times) // 2]
                 say(f"      repeat {r + 1}/{settings.repeat}  {side.spec.label:<22} {median:8.4f} s/step")
     return [{"spec": side.spec, "step_times_s": side.times, "peak_memory_mb": round(side.peak_mb, 1),
-             "reason": side.reason} for side in sides]
+             "reason": side.reason, "final_loss": side.final_loss()} for side in sides]

@@ -76,7 +76,7 @@ def toy() -> Workload:
     )
 
 
-def mlp(width: int = 512, depth: int = 8, batch: int = 2048) -> Workload:
+def mlp(width: int = 512, depth: int = 8, batch: int = 2048, name: str = "mlp") -> Workload:
     """Square layers and a large batch: a step is almost all matrix products, so it is compute-bound on CPU
     workers. Compute grows with batch x parameters and DDP's gradient exchange with parameters alone,
     so a modest width and a large batch keep communication small (8 MB of gradients per step here)."""
@@ -86,10 +86,18 @@ def mlp(width: int = 512, depth: int = 8, batch: int = 2048) -> Workload:
             layers += [nn.Linear(width, width), nn.ReLU()]
         return nn.Sequential(*layers)
 
+    bound = "compute-bound" if name == "mlp" else "gradient exchange dominates"
     return Workload(
-        name="mlp", description=f"{depth} x Linear({width}, {width}) + ReLU, MSE on random targets; compute-bound",
+        name=name, description=f"{depth} x Linear({width}, {width}) + ReLU, MSE on random targets; {bound}",
         model=model, data=lambda b: _regression(b, (width,), width), batch=batch, steps=5, repeat=3, warmup=2,
     )
+
+
+def mlp_wide() -> Workload:
+    """Many parameters for the compute: 8 x Linear(1024, 1024) at batch 512 (8.4 M parameters, 34 MB of
+    float32 gradients a step for the same matrix-product work as `mlp`), where DDP's gradient exchange,
+    not the compute, decides how well data parallelism scales."""
+    return mlp(width=1024, depth=8, batch=512, name="mlp-wide")
 
 
 def convnet(image: int = 32, classes: int = 10) -> Workload:
@@ -155,8 +163,8 @@ def gpt(size: str | None = None, gpu: bool = False) -> Workload:
     )
 
 
-BUILTIN: dict[str, Callable[..., Workload]] = {"toy": toy, "mlp": mlp, "convnet": convnet, "resnet50": resnet50,
-                                               "gpt": gpt}
+BUILTIN: dict[str, Callable[..., Workload]] = {"toy": toy, "mlp": mlp, "mlp-wide": mlp_wide, "convnet": convnet,
+                                               "resnet50": resnet50, "gpt": gpt}
 
 
 def get(name: str, *, image: int | None = None, gpu: bool = False, gpt_size: str | None = None) -> Workload:
