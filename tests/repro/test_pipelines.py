@@ -18,7 +18,7 @@ from zoo.reference import eval_batch, to_device
 import paratrain
 
 from . import loop
-from .expect import check_refusal, matches_or_refuses, reference
+from .expect import check_refusal, check_results, matches_or_refuses, reference
 
 
 def _mp(case: zoo.ZooCase | str, sizes: tuple[int, ...] = (8, 8), **options: Any) -> Any:
@@ -141,6 +141,17 @@ def test_tuples_between_sequential_layers() -> None:
     matches_or_refuses(
         lambda: paratrain.launch(loop.train, "tuple_seq", "pp", microbatches=2, nproc=2, timeout=60, all_ranks=True),
         reference("tuple_seq"), _tol("tuple_seq"), names=["tuple", "Mix", "Close"])
+
+
+@pytest.mark.parametrize("schedule,per_worker", [("interleaved-1f1b", 2), ("1f1b", 1)])
+def test_a_strided_input_gradient_is_sent_contiguous(schedule: str, per_worker: int) -> None:
+    """Found by the matrix on a loaded machine, when balance="time" happened to cut just before `Close`:
+    torch.cat's backward leaves the received activations' gradients as column slices, and gloo sends only
+    contiguous tensors ("input tensor has to be contiguous"). The balance is fixed here so the cut is there."""
+    balance = [2, 1, 1, 1] if per_worker == 2 else [4, 1]
+    results = paratrain.launch(loop.train, "tuple_seq", "pp", microbatches=2, schedule=schedule,
+                               stages_per_worker=per_worker, balance=balance, nproc=2, timeout=60, all_ranks=True)
+    check_results(results, reference("tuple_seq"), _tol("tuple_seq"))
 
 
 def _evaluate_pipeline(run: paratrain.Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
