@@ -1,8 +1,10 @@
 """Measure a real model, layer by layer, at the micro-batch sizes the layouts need.
 
 Each layer runs alone on a detached copy of its input (as `parallel.balance.profile_layers` does), so
-its forward and its backward are timed apart: a pipeline schedules them apart. Times are the fastest
-of a few repeats after a warm-up (other processes only ever add time). FLOPs are counted once with
+its forward and its backward are timed apart: a pipeline schedules them apart. Times are the median
+of a few repeats after a warm-up: `--validate` compares predictions with the median step of real runs,
+and on a shared machine the fastest repeat is the exception (predicting from it biased every layout
+low by 5-10% on the 2-core development machine). FLOPs are counted once with
 `torch.utils.flop_counter`, the backward twice: gradients for the layer's input only, then for its
 weights only, which gives the share a zero-bubble schedule defers. Activation bytes come from the
 saved-tensor meter the pipelines report with (`parallel.memory.ActivationMeter`).
@@ -15,6 +17,7 @@ per parameter. CPU measurements run on one thread, as every CPU worker does.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -86,13 +89,21 @@ def _backward(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor] | None = 
 
 
 class _Timing:
-    """Fastest forward and backward seconds of one layer over the repeats, and its activation peak."""
+    """Forward and backward seconds of one layer over the repeats (median), and its activation peak."""
 
     def __init__(self) -> None:
-        self.forward = float("inf")
-        self.backward = float("inf")
+        self.forwards: list[float] = []
+        self.backwards: list[float] = []
         self.activations = 0
         self.output = 0
+
+    @property
+    def forward(self) -> float:
+        return statistics.median(self.forwards)
+
+    @property
+    def backward(self) -> float:
+        return statistics.median(self.backwards)
 
 
 def _time_chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module, repeats: int,
@@ -114,8 +125,8 @@ def _time_chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module, re
             _sync(device)
             end = time.perf_counter()
             if rep > 0:  # the first pass warms up allocators and kernels
-                t = timings[i]
-                t.forward, t.backward = min(t.forward, middle - start), min(t.backward, end - middle)
+                timings[i].forwards.append(middle - start)
+                timings[i].backwards.append(end - middle)
             timings[i].activations = max(timings[i].activations, meter.peak)
             timings[i].output = _nbytes(out)
             value = out
@@ -150,7 +161,7 @@ def _count(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module) -> list
 
 
 def _whole_step(model: nn.Module, x: Any, y: Any, loss_fn: nn.Module, repeats: int, device: torch.device) -> float:
-    best = float("inf")
+    times = []
     for rep in range(repeats + 1):
         _sync(device)
         start = time.perf_counter()
@@ -158,8 +169,8 @@ def _whole_step(model: nn.Module, x: Any, y: Any, loss_fn: nn.Module, repeats: i
         loss.backward()
         _sync(device)
         if rep > 0:
-            best = min(best, time.perf_counter() - start)
-    return best
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -174,19 +185,19 @@ def _optimizer_seconds(model: nn.Module, name: str, repeats: int, device: torch.
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     opt = _optimizer(name, params)
-    best = float("inf")
+    times = []
     for rep in range(repeats + 1):
         _sync(device)
         start = time.perf_counter()
         opt.step()
         _sync(device)
         if rep > 0:
-            best = min(best, time.perf_counter() - start)
-    return best
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[int], *, name: str,
-            precision: str = "32", optimizer: str = "adam", repeats: int = 3,
+            precision: str = "32", optimizer: str = "adam", repeats: int = 5,
             device: torch.device | None = None) -> Profile:
     """The model's `Profile`, measured at every micro-batch size in `sizes` (one device, one thread on CPU)."""
     device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
