@@ -8,6 +8,7 @@
 #   microbatch_cost.json: one worker, the batch cut into M pieces, no pipeline (the CPU GEMM effect)
 #   schedule_search.json: schedule="auto" against a full sweep of (schedule, micro-batch count)
 #   watch_cost.json: the heartbeat thread's share of a core
+#   allreduce_cost.json: a 34 MB gloo all-reduce on its own (the floor of DDP's exchange on mlp-wide)
 set -u  # a step whose configurations fail says so in its table; the next step still runs
 out=${1:-results/limits}
 mkdir -p "$out"
@@ -22,3 +23,4 @@ PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} ${PYTHON:-.venv/bin/python} bench
   "$out/microbatch_cost.json"
 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} ${PYTHON:-.venv/bin/python} benchmarks/schedule_search.py "$out/schedule_search.json"
 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} ${PYTHON:-.venv/bin/python} benchmarks/watch_cost.py "$out/watch_cost.json"
+PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} ${PYTHON:-.venv/bin/python} benchmarks/allreduce_cost.py "$out/allreduce_cost.json"
