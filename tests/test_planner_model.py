@@ -250,22 +250,6 @@ def test_profile_measures_flops_memory_and_times_of_each_layer() -> None:
     json.dumps(prof.as_dict())
 
 
-def test_cpu_workers_computing_at_once_are_slowed_by_the_measured_contention() -> None:
-    from paratrain.planner import costs
-
-    cpu = _cluster(kind="cpu", contention=1.25, efficiency=[[1, 0.5]])
-    alone, together = costs.times(_profile(), 4, cpu, "32"), costs.times(_profile(), 4, cpu, "32", workers=2)
-    assert together[0].forward == pytest.approx(1.25 * alone[0].forward)
-    assert together[0].backward == pytest.approx(1.25 * alone[0].backward)
-    gpu = _cluster(contention=1.25)  # GPUs share nothing: the factor does not apply
-    assert costs.times(_profile(), 4, gpu, "32", workers=2) == costs.times(_profile(), 4, gpu, "32")
-    assert clusters.from_spec({**cpu.as_spec()}).contention == 1.25  # round trip through the file format
-    ddp = predict.predict(_profile(), Layout(strategy="ddp", dp=2), cpu, batch=8)
-    slower = predict.predict(_profile(), Layout(strategy="ddp", dp=2), _cluster(kind="cpu", contention=2.0,
-                                                                                  efficiency=[[1, 0.5]]), batch=8)
-    assert slower.compute_s == pytest.approx(2.0 / 1.25 * ddp.compute_s)
-
-
 # -- validation bookkeeping (the runner replaced at its one seam) -------------------------------------
 
 

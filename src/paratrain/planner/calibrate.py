@@ -109,22 +109,8 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
                 seconds /= 2
             points.append((n, max_over_world(seconds)))
         sweep[kind] = points
-    dist.barrier()
-    together = max_over_world(_matmul_seconds(repeats))  # every worker at once: the slowest one's
     return {"sweep": sweep, "pipeline_step_s": max_over_world(pipeline), "resident_bytes": resident,
-            "world": dist.get_world_size(), "matmul_together_s": together}
-
-
-def _matmul_seconds(repeats: int) -> float:
-    """Median seconds of a block of dense products on one thread (a 1024 x 512 by 512 x 512 layer's forward)."""
-    a, b = torch.randn(1024, 512), torch.randn(512, 512)
-
-    def block() -> None:
-        for _ in range(10):
-            torch.matmul(a, b)
-
-    with _threads(1):
-        return _timed(block, repeats)
+            "world": dist.get_world_size()}
 
 
 def _matmul_curve(repeats: int = 3) -> tuple[float, list[list[float]]]:
@@ -212,8 +198,6 @@ def measure(timeout: float = 300.0, repeats: int = 5, sizes: tuple[int, ...] = S
     collectives = {kind: fit(kind, p, points) for kind, points in found["sweep"].items()}
     p2p_alpha, p2p_beta = collectives["p2p"]
     peak, curve = _matmul_curve()
-    alone = _matmul_seconds(repeats)
-    contention = max(1.0, float(found["matmul_together_s"]) / alone)
     cores = usable_cores()
     # A 2-stage GPipe step is 2M + 2 action slots long on its critical path, each slot also paying one send.
     slots = 2 * _PIPE_MICROBATCHES + 2
@@ -226,6 +210,6 @@ def measure(timeout: float = 300.0, repeats: int = 5, sizes: tuple[int, ...] = S
         memory_bandwidth=_memory_bandwidth(), intra=loopback, inter=loopback,
         efficiency=tuple((x, y) for x, y in curve),
         overlap=0.0, process_bytes=float(found["resident_bytes"]), reserved=0.0, action_overhead=action,
-        step_overhead=_framework_overhead(), contention=round(contention, 4),
+        step_overhead=_framework_overhead(),
         collectives=collectives, measured_here=True,
     )

@@ -80,10 +80,6 @@ class Cluster:
     step_overhead: float = 0.0
     """Seconds paratrain's loop adds per `run.forward_backward` call beyond the model (hooks, wrappers):
     measured here, 0 on GPUs where the host runs ahead of the device."""
-    contention: float = 1.0
-    """How much longer a CPU worker's matrix products take while every core computes than alone (shared
-    memory bandwidth and caches): the layer times, profiled alone, are scaled by it for layouts of several
-    workers on a node. Measured here; 1 for GPUs, which share nothing."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Fitted (alpha, beta) per collective on one node, when measured here; overrides the intra link."""
     measured_here: bool = False
@@ -131,7 +127,7 @@ class Cluster:
             "efficiency": [list(p) for p in self.efficiency], "overlap": self.overlap,
             "process_gib": self.process_bytes / GIB, "reserved_gib": self.reserved / GIB,
             "action_overhead_us": self.action_overhead * 1e6, "step_overhead_us": self.step_overhead * 1e6,
-            "contention": self.contention, "measured_here": self.measured_here,
+            "measured_here": self.measured_here,
         }
         if self.collectives:
             spec["collectives"] = {k: {"alpha_us": a * 1e6, "beta_s_per_gb": b * GB}
@@ -165,7 +161,7 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
     """A `Cluster` from the file format; every problem is named with the key to fix."""
     known = {"name", "kind", "description", "devices_per_node", "nodes", "device", "intra_node", "inter_node",
              "efficiency", "overlap", "process_gib", "reserved_gib", "action_overhead_us", "step_overhead_us",
-             "contention", "collectives", "measured_here"}
+             "collectives", "measured_here"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ParatrainError(f"cluster spec: unknown key(s) {unknown}; known keys: {sorted(known)}")
@@ -209,7 +205,6 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
         process_bytes=_number(spec, "process_gib", 0, "") * GIB, reserved=_number(spec, "reserved_gib", 0, "") * GIB,
         action_overhead=_number(spec, "action_overhead_us", 0, "") * 1e-6,
         step_overhead=_number(spec, "step_overhead_us", 0, "") * 1e-6, collectives=collectives,
-        contention=max(1.0, _number(spec, "contention", 1.0, "")),
         measured_here=bool(spec.get("measured_here", False)),
     )
 

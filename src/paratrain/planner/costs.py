@@ -132,15 +132,9 @@ def uses_measurements(profile: Profile, cluster: Cluster, precision: str) -> boo
     return cluster.measured_here and profile.source == "measured" and profile.precision == precision
 
 
-def times(profile: Profile, b: int, cluster: Cluster, precision: str, workers: int = 1) -> list[LayerTime]:
-    """Each layer's seconds at micro-batch `b`, with `workers` processes computing at once on a node (CPU
-    workers slow each other down by the cluster's measured `contention`)."""
+def times(profile: Profile, b: int, cluster: Cluster, precision: str) -> list[LayerTime]:
     measured = uses_measurements(profile, cluster, precision)
-    out = [layer_time(layer, b, cluster, precision, measured) for layer in profile.layers]
-    if cluster.kind != "cpu" or workers < 2 or cluster.contention == 1.0:
-        return out
-    k = cluster.contention
-    return [LayerTime(forward=t.forward * k, backward=t.backward * k, weight_share=t.weight_share) for t in out]
+    return [layer_time(layer, b, cluster, precision, measured) for layer in profile.layers]
 
 
 def optimizer_time(profile: Profile, params: float, cluster: Cluster, optimizer: str) -> float:

@@ -138,7 +138,7 @@ def _shared_cores(step: float, work: float, cluster: Cluster, layout: Layout) ->
 def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
     dp, accum, sharded = layout.dp, layout.grad_accum, layout.strategy == "fsdp"
     b = batch // (dp * accum)
-    lt = costs.times(profile, b, cluster, layout.precision, min(layout.processes, cluster.devices_per_node))
+    lt = costs.times(profile, b, cluster, layout.precision)
     fwd, bwd = [t.forward for t in lt], [t.backward for t in lt]
     unit = [float(layer.param_bytes) for layer in profile.layers]
     group = Group(dp, dp > cluster.devices_per_node)
@@ -191,7 +191,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     dp, pp, per_worker, micro = layout.dp, layout.pp, layout.stages_per_worker, layout.microbatches
     schedule = layout.schedule or "gpipe"
     b = batch // (dp * micro)
-    lt = costs.times(profile, b, cluster, layout.precision, min(layout.processes, cluster.devices_per_node))
+    lt = costs.times(profile, b, cluster, layout.precision)
     balance = solve([t.forward + t.backward for t in lt], layout.stages)
     dp_group, pp_group = pipeline_groups(cluster, dp, pp)
     stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes))
