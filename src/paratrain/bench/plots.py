@@ -108,14 +108,15 @@ def microbatch_curve(results: dict[str, Any], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     groups: dict[tuple[str, int], list[RunRecord]] = {}
-    for r in runs:
-        groups.setdefault((r.strategy, r.workers), []).append(r)
+    for r in runs:  # one line per schedule asked for (1F1B's GPipe fallback at M=1 stays on its line)
+        line = name(r) + (f" {r.schedule}" if r.schedule not in (None, "gpipe", "1f1b") else "")
+        groups.setdefault((line, r.workers), []).append(r)
     counts = sorted({r.micro for r in runs})
-    for (strategy, workers), group in groups.items():
+    for (line, workers), group in groups.items():
         group.sort(key=lambda r: r.micro)
-        style = "--" if strategy.startswith("torch-") else "-"
+        style = "--" if line.startswith("torch-") else "-"
         ax.errorbar([r.micro for r in group], [r.median for r in group],
-                    yerr=_iqr_bars(group), fmt="o" + style, capsize=4, label=f"{strategy}, {_workers(workers)}")
+                    yerr=_iqr_bars(group), fmt="o" + style, capsize=4, label=f"{line}, {_workers(workers)}")
     single = next((r for r in _ok(results["runs"]) if r.strategy == "single"), None)
     if single is not None:
         ax.axhline(single.median, color="gray", linestyle=":", label="single, 1 worker")
