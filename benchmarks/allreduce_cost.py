@@ -8,15 +8,13 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/allreduce_cost.py [OUT.json]
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
 import paratrain
 from paratrain.bench import workloads
@@ -46,11 +44,7 @@ def _time() -> dict[str, Any]:
 
 def main() -> None:
     res = paratrain.launch(_time, nproc=2, timeout=120)
-    res["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    print(json.dumps(res, indent=1))
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res)
 
 
 if __name__ == "__main__":

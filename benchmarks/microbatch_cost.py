@@ -11,13 +11,11 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/microbatch_cost.py [OUT.json]
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 
 import torch
+from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
 from paratrain.bench import workloads
 
@@ -49,13 +47,10 @@ def main() -> None:
         for m in COUNTS:
             times[m].append(step(m))
     median = {m: statistics.median(t) for m, t in times.items()}
-    out = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "workload": workload.description,
+    out = {"workload": workload.description,
            "batch": workload.batch, "median_step_s": median,
            "cost_vs_whole_batch": {m: round(median[m] / median[1], 4) for m in COUNTS}}
-    print(json.dumps(out, indent=1))
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out)
 
 
 if __name__ == "__main__":

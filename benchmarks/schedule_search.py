@@ -11,13 +11,11 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/schedule_search.py [OUT.json]
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
+from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
 import paratrain
 from paratrain.bench import workloads
@@ -66,15 +64,11 @@ def _compare() -> dict[str, Any]:
 
 def main() -> None:
     res = paratrain.launch(_compare, nproc=2, timeout=900)
-    res["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     res["worst_distance_from_best"] = max(r["distance_from_best"] for r in res["rounds"])
     res["worst_time_fraction"] = max(r["time_fraction"] for r in res["rounds"])
     res["goal"] = "within 5% of the sweep's best in at most 1/3 of its time"
     res["goal_met"] = res["worst_distance_from_best"] <= 0.05 and res["worst_time_fraction"] <= 1 / 3
-    print(json.dumps(res, indent=1))
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res)
 
 
 if __name__ == "__main__":

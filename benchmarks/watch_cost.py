@@ -7,12 +7,11 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/watch_cost.py [OUT.json]
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 from typing import Any
+
+from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
 import paratrain
 
@@ -36,12 +35,9 @@ def _time_beats() -> dict[str, Any]:
 
 def main() -> None:
     res = paratrain.launch(_time_beats, nproc=2, timeout=120, all_ranks=True)
-    out = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "ranks": res,
+    out = {"ranks": res,
            "worst_share_of_a_core": max(r["share_of_a_core"] for r in res)}
-    print(json.dumps(out, indent=1))
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(out, f, indent=1)
+    emit(out)
 
 
 if __name__ == "__main__":
