@@ -71,9 +71,8 @@ def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, proce
         if example is None:
             raise example_needed("comm_hook='auto'", "it times DDP's exact settings on trial steps")
         where = device or next(model.parameters()).device
-        wrapped, choice = ddp_tuning.choose(
-            model, cfg, device_ids, example, where,
-            lambda m, c: apply_ddp(m, c, device_ids, process_group))
+        wrapped, choice = ddp_tuning.choose(model, cfg, example, where,
+                                            lambda m, c: apply_ddp(m, c, device_ids, process_group))
         wrapped.ddp_tuning = choice  # type: ignore[assignment]
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"paratrain: {choice.describe()}", flush=True)

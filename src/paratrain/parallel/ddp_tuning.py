@@ -65,8 +65,8 @@ def _trial_loss(out: Any) -> torch.Tensor:
     return sum(x.float().sum() for x in leaves)  # type: ignore[return-value]
 
 
-def choose(model: nn.Module, cfg: Config, device_ids: list[int] | None, example: Any, device: torch.device,
-           wrap: Any, repeats: int = 3) -> tuple[nn.Module, Choice]:
+def choose(model: nn.Module, cfg: Config, example: Any, device: torch.device, wrap: Any,
+           repeats: int = 3) -> tuple[nn.Module, Choice]:
     """The model wrapped in DDP with the fastest exact settings; `wrap(model, cfg)` builds one DDP."""
     seconds: dict[str, float] = {}
     options = candidates(model)
