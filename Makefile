@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-gpu lint typecheck bench clean
+.PHONY: setup test test-gpu lint typecheck bench limits clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test-gpu: setup
 
 bench: setup
 	$(VENV)/bin/paratrain bench --out results/bench
+
+# how close to the machine's limits (docs/benchmarks.md, section H): about 4 minutes after setup
+limits: setup
+	bash benchmarks/bench_limits.sh --quick results/limits
 
 clean:
 	rm -rf $(VENV) results .mypy_cache .ruff_cache .pytest_cache

@@ -11,6 +11,7 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/microbatch_cost.py [OUT.json]
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -19,8 +20,8 @@ from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
 from paratrain.bench import workloads
 
-COUNTS = (1, 2, 4, 8, 16)
-REPEATS = 7
+COUNTS = tuple(int(m) for m in os.environ.get("MICROBATCH_COST_COUNTS", "1,2,4,8,16").split(","))
+REPEATS = int(os.environ.get("MICROBATCH_COST_REPEATS", "7"))  # bench_limits.sh --quick runs 4
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/schedule_search.py [OUT.json]
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -20,7 +21,8 @@ from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 import paratrain
 from paratrain.bench import workloads
 
-ROUNDS = 2
+MIN_ROWS = int(os.environ.get("SCHEDULE_SEARCH_MIN_ROWS", "32"))  # --quick: 128, so M <= 16
+ROUNDS = int(os.environ.get("SCHEDULE_SEARCH_ROUNDS", "2"))  # bench_limits.sh --quick runs 1
 
 
 def _compare() -> dict[str, Any]:
@@ -39,7 +41,7 @@ def _compare() -> dict[str, Any]:
     names = auto_schedules(1)
 
     def candidates(name: str) -> list[int]:
-        return [m for m in model.candidates(workload.batch, name) if m <= workload.batch // 32]
+        return [m for m in model.candidates(workload.batch, name) if m <= workload.batch // MIN_ROWS]
 
     def measure(name: str, m: int) -> float:
         return model.measure(x, y, m, schedule=name)

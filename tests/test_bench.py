@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,21 @@ def test_plan_times_comm_hooks_and_schedules_side_by_side() -> None:
     assert "ddp comm_hook=auto" in labels and "pp stages_per_worker=2 M=4" in labels
     with pytest.raises(ParatrainError, match="Did you mean .zero-bubble."):
         jobs.schedules("zero-bubbel")
+
+
+def test_each_schedule_is_held_to_its_own_bound_not_1f1b_s() -> None:
+    settings = jobs.Settings(workload="mlp", batch=64, steps=1, warmup=1, repeat=1,
+                             schedule="1f1b,zero-bubble,interleaved-1f1b,auto")
+    p = jobs.build(jobs.parse_strategies("pp"), [2], [4], settings)
+    bound = {s.schedule: s.bound for job in p.jobs for s in job.specs if s.strategy == "pp"}
+    assert bound["1f1b"] == pytest.approx(2 * 4 / 5)  # K*M/(M+K-1)
+    # Simulated from torch's own action lists: the ZBV bubble is a fraction of 1F1B's, interleaving halves it
+    assert bound["zero-bubble"] == pytest.approx(1.92, abs=0.01)
+    assert bound["interleaved-1f1b"] == pytest.approx(2 * 8 / 9, abs=0.01)
+    assert bound["1f1b"] < bound["auto"] <= bound["zero-bubble"]  # auto: the best it chooses among (V=1)
+    ddp_pp = jobs.build(jobs.parse_strategies("ddp+pp"), [4], [4], replace(settings, schedule="zero-bubble"))
+    assert [s.bound for job in ddp_pp.jobs for s in job.specs if s.strategy == "ddp+pp"] == \
+        [pytest.approx(2 * bound["zero-bubble"])]  # 2 replicas of the 2-stage pipeline
 
 
 def test_lossy_options_show_their_final_loss_beside_the_exact_run() -> None:

@@ -139,6 +139,25 @@ def context(strategy: str, nproc: int, settings: Settings, **options: Any) -> Co
                    gpus=settings.gpus)
 
 
+def _schedule_bound(strategy: Strategy, ctx: Context) -> float:
+    """The strategy's bound with the pipeline part replaced by what its schedule allows: the strategies
+    state K*M/(M+K-1), which zero-bubble and interleaved schedules beat. For "auto", the best schedule it
+    chooses among."""
+    from ..parallel.microbatch import pipeline_bound
+    from ..parallel.pipelining import auto_schedules
+    from ..planner.schedules import schedule_speedup
+    from ..strategies.ddp_pp import dp_pp
+
+    bound = strategy.bound(ctx)
+    cfg = ctx.config
+    if not isinstance(cfg.microbatches, int) or cfg.schedule in (None, "1f1b", "gpipe"):
+        return bound
+    pp = dp_pp(ctx)[1] if strategy.name == "ddp+pp" else ctx.placement.world_size
+    names = auto_schedules(cfg.stages_per_worker) if cfg.schedule == "auto" else [cfg.schedule]
+    best = max(schedule_speedup(name, pp, cfg.stages_per_worker, cfg.microbatches) for name in names)
+    return bound * best / pipeline_bound(pp, cfg.microbatches)
+
+
 class _Builder:
     def __init__(self, settings: Settings, microbatches: list[int] | None, references: bool) -> None:
         self.s = settings
@@ -180,8 +199,8 @@ class _Builder:
                             self.skip(Spec(strategy.name, nproc, m, schedule, options=extra), str(exc))
                         continue
                     workers = nproc * len(set(strategy.devices(ctx)))
-                    spec = Spec(strategy.name, workers, m, schedule, _devices(strategy, ctx), strategy.bound(ctx),
-                                options=extra)
+                    spec = Spec(strategy.name, workers, m, schedule, _devices(strategy, ctx),
+                                _schedule_bound(strategy, ctx), options=extra)
                     if spec not in specs:
                         specs.append(spec)
                     break

@@ -124,7 +124,7 @@ def microbatch_curve(results: dict[str, Any], path: Path) -> Path | None:
         if pp:
             k = pp[0].workers
             ax.plot(counts, [single.median * (m + k - 1) / (k * m) for m in counts], color="gray",
-                    linestyle="-.", linewidth=1, label=f"{k}-stage schedule bound")
+                    linestyle="-.", linewidth=1, label=f"{k}-stage 1F1B bound")
     batch = results["global_batch"]
     ax.set_xscale("log", base=2)
     ax.set_xticks(counts)

@@ -237,6 +237,17 @@ def run_schedule(schedule: str, pp: int, per_worker: int, microbatches: int, cos
                        comm_wait=line(r1.comm_wait, r2.comm_wait))
 
 
+@lru_cache(maxsize=256)
+def schedule_speedup(schedule: str, pp: int, per_worker: int, microbatches: int) -> float:
+    """The best speedup `schedule` allows over one device: equal stages, backward twice the forward, free
+    sends. For 1F1B and GPipe this is K*M/(M+K-1); zero-bubble and interleaved schedules fill part of that
+    bubble, so their own bound is higher (2 workers, M=4: 1F1B 1.60, interleaved 1.78, ZBV 1.92)."""
+    stages = pp * per_worker
+    unit = StageCost(forward=1.0 / per_worker, backward=2.0 / per_worker)
+    run = run_schedule(schedule, pp, per_worker, microbatches, [unit] * stages)
+    return sum(run.busy) / run.step
+
+
 def _produced(action: Action, finish: dict[Action, float], last: int) -> float:
     """When the producing action finished (its data could have arrived at once)."""
     stage, kind, mb = action
