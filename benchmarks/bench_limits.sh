@@ -27,7 +27,7 @@ if [ $quick = 1 ]; then
   "${bench[@]}" "$out/sched" --workload mlp --strategies ddp,pp --schedule 1f1b,zero-bubble,auto \
     --microbatches 4,8 --repeat 3
   "${bench[@]}" "$out/four" --workload mlp --strategies ddp,pp --workers 4 --microbatches 8 --repeat 2
-  export SCHEDULE_SEARCH_ROUNDS=1 MICROBATCH_COST_REPEATS=4 MICROBATCH_COST_COUNTS=1,4,8
+  export SCHEDULE_SEARCH_ROUNDS=1 MICROBATCH_COST_REPEATS=4 MICROBATCH_COST_COUNTS=1,2,4,8
 else
   "${bench[@]}" "$out/ddp" --workload mlp-wide --strategies ddp --comm-hook none,auto,bf16,fp16 --repeat 6
   "${bench[@]}" "$out/sched" --workload mlp --strategies pp --schedule 1f1b,zero-bubble,interleaved-1f1b,auto \
