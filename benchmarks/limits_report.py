@@ -112,7 +112,7 @@ def ddp(root: Path) -> dict[str, Any]:
     if not exact:
         return {"goal": f"ddp on mlp-wide >= {DDP_GOAL}x single", "met": None, "reason": "no ddp runs in ddp/"}
     best = max(exact, key=lambda r: r["speedup_vs_single"])
-    single = _ok(runs, strategy="single")[0]
+    single = next(iter(_ok(runs, strategy="single")), None)
     nocomm = next(iter(_ok(runs, strategy="no-comm")), None)
     allreduce = (_load(root, "allreduce_cost") or {}).get("one_tensor_s")
     out: dict[str, Any] = {"goal": f"ddp on mlp-wide (gradients dominate) >= {DDP_GOAL}x single, exact arithmetic",
@@ -120,7 +120,7 @@ def ddp(root: Path) -> dict[str, Any]:
                            "no_comm_ceiling": nocomm["speedup_vs_single"] if nocomm else None,
                            "allreduce_s": allreduce}
     out["met"] = best["speedup_vs_single"] >= DDP_GOAL
-    if nocomm and allreduce:
+    if single and nocomm and allreduce:
         floor = single["median_step_s"] / (nocomm["median_step_s"] + allreduce)
         out["floor_speedup"] = floor
         out["share_of_floor"] = best["speedup_vs_single"] / floor
@@ -129,6 +129,8 @@ def ddp(root: Path) -> dict[str, Any]:
             f"{allreduce * 1e3:.0f} ms and cannot hide behind a backward that uses both cores, so the best "
             f"possible is {floor:.2f}x; {_label(best)} reached {best['speedup_vs_single']:.2f}x "
             f"({out['share_of_floor']:.0%} of it)")
+    elif not out["met"]:
+        out["reason"] = "the reason needs single and no-comm in ddp/ and allreduce_cost.json"
     exact_loss = next((r["final_loss"] for r in _ok(runs, strategy="ddp") if not r.get("options")), None)
     out["lossy"] = {_label(r): {"speedup": r["speedup_vs_single"], "final_loss": r["final_loss"],
                                 "final_loss_vs_exact": (r["final_loss"] - exact_loss) if exact_loss else None}
@@ -145,8 +147,8 @@ def overhead(root: Path) -> dict[str, Any]:
             continue
         if r["strategy"] == "pp" and (r["microbatches"] or 0) < 2:
             continue
-        ref = next(x for x in _ok(runs, strategy=r["reference"], workers=r["workers"],
-                                  microbatches=r["microbatches"], schedule=r["schedule"]))
+        ref = next(iter(_ok(runs, strategy=r["reference"], workers=r["workers"],
+                            microbatches=r["microbatches"], schedule=r["schedule"])), r)
         noise = max(_noise(r), _noise(ref))
         rows.append({"config": _label(r), "ratio": r["vs_reference"], "noise": noise,
                      "met": r["vs_reference"] <= OVERHEAD_GOAL,

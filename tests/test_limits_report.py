@@ -70,3 +70,14 @@ def test_a_goal_reached_is_met_and_needs_no_reason(runs: Path) -> None:
     best["bound"] = 2.0  # 1.85 is 92.5% of its bound: short of the 95% asked
     (runs / "sched.json").write_text(json.dumps(sched))
     assert _run(runs)["pipelines"]["met"] is False
+
+
+def test_missing_runs_are_named_not_a_crash(tmp_path: Path, runs: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    s = _run(empty)
+    assert s["pipelines"]["met"] is None and "no pp runs" in s["pipelines"]["reason"]
+    assert s["ddp"]["met"] is None and s["overhead"]["rows"] == [] and s["overhead"]["met"] is False
+    (runs / "allreduce_cost.json").unlink()  # a step that failed: the verdict stays, the reason says why not
+    ddp = _run(runs)["ddp"]
+    assert ddp["met"] is False and "allreduce_cost.json" in ddp["reason"]
