@@ -51,7 +51,7 @@ def _noise(r: dict[str, Any]) -> float:
 
 def pipelines(root: Path) -> dict[str, Any]:
     sched = _load(root, "sched")
-    runs = [r for r in _ok(sched, strategy="pp", workers=2)]
+    runs = _ok(sched, strategy="pp", workers=2)
     if not runs:
         return {"goal": "pp on 2 workers >= 1.8x single", "met": None, "reason": "no pp runs in sched/"}
     best = max(runs, key=lambda r: r["speedup_vs_single"])
@@ -176,6 +176,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def _x(speedup: float | None) -> str:
+    return "-" if speedup is None else f"{speedup:.2f}x"
+
+
 def _verdict(met: bool | None) -> str:
     return {True: "**met**", False: "**not met**", None: "reported"}[met]
 
@@ -186,7 +190,7 @@ def markdown(s: dict[str, Any]) -> str:
     if "speedup" in p:
         lines.append(f"| pp 2 workers >= {PP_GOAL}x, >= {PP_CEILING_SHARE:.0%} of ceiling, >= {PP_BOUND_SHARE:.0%} "
                      f"of own bound | {p['speedup']:.2f}x ({p['best']}), {_pct(p['share_of_ceiling'])} of "
-                     f"{p['no_comm_ceiling']:.2f}x, {_pct(p['share_of_bound'])} of {p['schedule_bound']:.2f}x "
+                     f"{_x(p['no_comm_ceiling'])}, {_pct(p['share_of_bound'])} of {p['schedule_bound']:.2f}x "
                      f"| {_verdict(p['met'])} |")
     if "search" in p:
         q = p["search"]

@@ -21,7 +21,6 @@ from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 import paratrain
 from paratrain.bench import workloads
 
-MIN_ROWS = int(os.environ.get("SCHEDULE_SEARCH_MIN_ROWS", "32"))  # --quick: 128, so M <= 16
 ROUNDS = int(os.environ.get("SCHEDULE_SEARCH_ROUNDS", "2"))  # bench_limits.sh --quick runs 1
 
 
@@ -41,7 +40,7 @@ def _compare() -> dict[str, Any]:
     names = auto_schedules(1)
 
     def candidates(name: str) -> list[int]:
-        return [m for m in model.candidates(workload.batch, name) if m <= workload.batch // MIN_ROWS]
+        return [m for m in model.candidates(workload.batch, name) if m <= workload.batch // 32]
 
     def measure(name: str, m: int) -> float:
         return model.measure(x, y, m, schedule=name)

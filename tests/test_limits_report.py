@@ -79,5 +79,8 @@ def test_missing_runs_are_named_not_a_crash(tmp_path: Path, runs: Path) -> None:
     assert s["pipelines"]["met"] is None and "no pp runs" in s["pipelines"]["reason"]
     assert s["ddp"]["met"] is None and s["overhead"]["rows"] == [] and s["overhead"]["met"] is False
     (runs / "allreduce_cost.json").unlink()  # a step that failed: the verdict stays, the reason says why not
-    ddp = _run(runs)["ddp"]
-    assert ddp["met"] is False and "allreduce_cost.json" in ddp["reason"]
+    (runs / "overhead.json").unlink()  # the only run here with the no-comm ceiling
+    s = _run(runs)
+    assert s["ddp"]["met"] is False and "allreduce_cost.json" in s["ddp"]["reason"]
+    assert s["pipelines"]["met"] is False and "needs the no-comm run" in s["pipelines"]["reason"]
+    assert "1.31x (pp auto M=4), - of -" in (runs / "summary.md").read_text()
