@@ -70,10 +70,7 @@ class Stage(nn.Module):
     def forward(self, *args: Any) -> Any:
         # A received activation is a leaf that requires grad; an in-place first layer (ReLU(inplace=True))
         # may not modify a leaf, but may modify a copy, and gradients flow through the copy unchanged.
-        received = [a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad]
-        for a in received:
-            _send_contiguous_grad(a)
-        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+        args = tuple(_received(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
                      for a in args)
         if self.inputs_spec is not None:
             out = pytree.tree_unflatten(list(args), self.inputs_spec)
@@ -110,13 +107,15 @@ class Stage(nn.Module):
         return pytree.tree_unflatten(flat, self.outputs_spec)
 
 
-def _send_contiguous_grad(t: torch.Tensor) -> None:
-    """A received activation's gradient goes back over the wire, and gloo sends contiguous tensors only; the
-    backward of a layer may leave a strided one (torch.cat's backward gives column slices), so it is made
-    contiguous as it is computed. Once per tensor: a recv buffer is reused step after step."""
+def _received(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a received activation to compute on. Its gradient goes back over the wire, and gloo sends
+    contiguous tensors only; the backward of a layer may leave a strided one (torch.cat's backward gives
+    column slices), so it is made contiguous as it is computed. The hook goes on once per tensor: a recv
+    buffer is reused step after step."""
     if not getattr(t, "_paratrain_contiguous_grad", False):
         t.register_hook(lambda g: g if g.is_contiguous() else g.contiguous())
         t._paratrain_contiguous_grad = True  # type: ignore[attr-defined]
+    return t.clone()
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
