@@ -197,10 +197,6 @@ def test_launch_from_a_script(tmp_path: Path) -> None:
         # Ctrl-C reaches only the launching process (workers run in their own sessions); it ends them.
         out.wait_for(lambda _: len(out.pids("INTERRUPT_ME")) == 2)
         proc.send_signal(signal.SIGINT)
-        try:
-            out.wait_for(lambda seen: any(s.startswith("@interrupted ") for s in seen), timeout=30)
-        except AssertionError:  # seen unanswered in long suite runs only: pressed again, as a user would
-            proc.send_signal(signal.SIGINT)
         assert out.report("interrupted")["children"] == []
 
         # The launching process is SIGKILLed (a notebook kernel restarted): its workers end themselves.
