@@ -25,6 +25,7 @@ DRIVER = '''
 import json, os, sys, threading
 import torch
 import paratrain
+from paratrain.launcher._zygote import template_pids
 from paratrain.launcher.spawn import WorkerFailed
 
 
@@ -33,7 +34,7 @@ def report(tag, **data):
 
 
 def children():
-    """Live child processes of this script (a launch must leave none)."""
+    """Live child processes of this script (a launch must leave none but a warm workers' template)."""
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -41,7 +42,7 @@ def children():
                 fields = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if fields[0] != "Z" and int(fields[1]) == os.getpid():
+        if fields[0] != "Z" and int(fields[1]) == os.getpid() and int(entry) not in template_pids():
             found.append(int(entry))
     return found
 
@@ -69,7 +70,7 @@ def block(tag):
 
 
 results = paratrain.launch(train, 10.0, nproc=2, all_ranks=True, timeout=120, offset=0.5)
-report("results", results=results, children=children())
+report("results", results=results, children=children(), templates=sorted(template_pids()))
 
 try:
     paratrain.launch(fails_on_rank_1, nproc=2, timeout=120)
@@ -163,20 +164,26 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start(args: list[str], tmp: Path, **kw: object) -> subprocess.Popen[str]:
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+def _start(args: list[str], tmp: Path, warm: str = "", **kw: object) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_WARM_WORKERS"}
+    env.update({"TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", **({"PARATRAIN_WARM_WORKERS": warm} if warm else {})})
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=_interruptible, **kw)  # type: ignore[call-overload]
 
 
-def test_launch_from_a_script(tmp_path: Path) -> None:
+@pytest.mark.procs
+@pytest.mark.parametrize("warm", ["", "torch,paratrain"], ids=["spawned", "warm"])
+def test_launch_from_a_script(tmp_path: Path, warm: str) -> None:
+    """The same promises for workers started as new processes and for workers forked from a warm template
+    (PARATRAIN_WARM_WORKERS), whose only extra process is the template, gone with its launcher."""
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(DRIVER))
-    proc = _start([sys.executable, str(script)], tmp_path)
+    proc = _start([sys.executable, str(script)], tmp_path, warm)
     out = Lines(proc)
     try:
         # Every rank's return value; setup() found world size 2; one thread per CPU worker; kwargs passed.
         res = out.report("results")
+        assert len(res["templates"]) == (1 if warm else 0)
         assert [r["rank"] for r in res["results"]] == [0, 1]
         assert all(r["world"] == 2 and r["threads"] == 1 and r["total"] == 31.0 for r in res["results"])
         assert res["children"] == []
@@ -211,12 +218,17 @@ def test_launch_from_a_script(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert _workers_under(tmp_path) == []
         assert [_describe(pid) for pid in pids if _alive(pid)] == []
+        deadline = time.monotonic() + 30
+        while any(map(_alive, res["templates"])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [_describe(pid) for pid in res["templates"] if _alive(pid)] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
+@pytest.mark.procs
 def test_launch_from_an_interactive_interpreter(tmp_path: Path) -> None:
     """A function typed at the `>>>` prompt has no source file and lives in `__main__`; it still reaches the
     workers. It starts its process group the tutorials' way, with plain `init_process_group`, which works
@@ -259,6 +271,7 @@ def _split_one_sample() -> None:
     run.per_worker_batch(1)  # one sample over two workers: every rank raises the same ParatrainError
 
 
+@pytest.mark.procs
 def test_an_error_every_rank_raises_is_told_once(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(paratrain.WorkerFailed) as failed:
         paratrain.launch(_split_one_sample, nproc=2, timeout=120)

@@ -148,6 +148,12 @@ def env_flag(name: str) -> str | None:
     return os.environ.get(f"PARATRAIN_{name}")
 
 
+def warm_modules() -> tuple[str, ...]:
+    """Modules a warm template imports before forking `paratrain.launch` workers (PARATRAIN_WARM_WORKERS, a
+    comma-separated list such as "torch,transformers"); empty: each worker starts as a new process."""
+    return tuple(m.strip() for m in (env_flag("WARM_WORKERS") or "").split(",") if m.strip())
+
+
 def default_timeout_s() -> float:
     value = env_flag("TIMEOUT")
     return float(value) if value else DEFAULT_TIMEOUT_S

@@ -1,9 +1,10 @@
 """Worker processes of `paratrain.launch`: started, forwarded, watched and always ended.
 
-Each worker is a fresh `python -m paratrain.launcher._worker` in its own session, so that it and anything it
-forks (data-loader workers) can be ended as one process group. Its stdin is a pipe the launching process
-never writes: when the launcher goes away for any reason (an exception, Ctrl-C, a notebook kernel
-restarted or SIGKILLed), the pipe closes and the worker ends its own group, so nothing is orphaned.
+Each worker is a fresh `python -m paratrain.launcher._worker` (or a fork of a warm template, `_zygote`) in its
+own session, so that it and anything it forks (data-loader workers) can be ended as one process group. Its
+stdin is a pipe the launching process never writes: when the launcher goes away for any reason (an exception,
+Ctrl-C, a notebook kernel restarted or SIGKILLed), the pipe closes and the worker ends its own group, so
+nothing is orphaned.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
+from ._zygote import ForkedProcess, Template
+
 
 @dataclass
 class Worker:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     pumps: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -30,9 +33,14 @@ class Worker:
         return self.proc.poll()
 
 
-def start(rank: int, argv: list[str], env: dict[str, str], prefix: bool) -> Worker:
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+def start(rank: int, argv: list[str], env: dict[str, str], prefix: bool, workdir: str,
+          template: Template | None = None) -> Worker:
+    proc: subprocess.Popen[bytes] | ForkedProcess
+    if template is not None:
+        proc = template.fork(argv, env, workdir, rank)
+    else:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
     worker = Worker(rank, proc)
     label = f"[rank{rank}] " if prefix else ""
     for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from .. import file_store
 from ..errors import ParatrainError
-from ..runtime import worker_count
-from . import _procs
+from ..runtime import warm_modules, worker_count
+from . import _procs, _zygote
 from .failures import ranks_text
 
 _SETTLE_S = 2.0
@@ -85,10 +85,11 @@ def launch(
     try:
         (workdir / "payload.pkl").write_bytes(payload)
         base = _worker_env(nproc, store.port, init, accelerator, threads_per_worker, env)
+        template = _zygote.template_for(warm_modules())
         for rank in range(nproc):
             argv = [sys.executable, "-m", "paratrain.launcher._worker", str(workdir), str(rank)]
             workers.append(_procs.start(rank, argv, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                        prefix_output))
+                                        prefix_output, str(workdir), template))
         _wait(workers, workdir, timeout)
         results = [_load(workdir / f"result-{r}.pkl") for r in (range(nproc) if all_ranks else [0])]
         return results if all_ranks else results[0]
