@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,7 +19,8 @@ EXAMPLES = ROOT / "examples"
 def cli_env(**extra: str) -> dict[str, str]:
     """This environment for a launched command, less any cluster's (the suite run inside a Slurm job or a pod
     must not make `paratrain run` join that job)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PET_")) and k != "PARATRAIN_WARM_WORKERS"}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
@@ -101,6 +104,77 @@ def train_toy(strategy: str = "single", global_batch: int = 12, epochs: int = 2,
         out["seen"] = seen
     run.close()
     return out
+
+
+def shuffled_order(n: int, seed: int, epoch: int) -> list[int]:
+    """An epoch's global order for DataLoader(shuffle=True) under setup(seed=seed): paratrain's documented rule
+    (the docstring of src/paratrain/data/order.py), restated here rather than imported, so that a bug in the
+    library's ordering shows against the references below instead of being shared by them."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def plain_train(build: Callable[[], torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor, *, seed: int,
+                global_batch: int, epochs: int, lr: float, momentum: float = 0.0,
+                precision: str = "32") -> dict[str, Any]:
+    """The loop a user writes without paratrain, in one process, that every strategy must reproduce: the model
+    built right after torch.manual_seed(seed) (what setup(seed=...) does), consecutive global batches of the
+    epoch's order (a short last one kept, its loss the mean over its own rows), one SGD step per global batch,
+    MSE. bf16 autocasts the forward only and computes the loss in float32, as a plain AMP loop does. Nothing
+    of paratrain is imported, so it cannot share a bug with the library's `single` strategy."""
+    if precision not in ("32", "bf16"):
+        raise ValueError(f"precision {precision!r}: use '32' or 'bf16'")
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
+        torch.manual_seed(seed)
+        model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    loss_fn = torch.nn.MSELoss()
+    losses = []
+    for epoch in range(epochs):
+        order = torch.tensor(shuffled_order(len(inputs), seed, epoch))
+        for rows in order.split(global_batch):
+            x, y = inputs[rows], targets[rows]
+            if precision == "bf16":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x)
+                out = out.float()
+            else:
+                out = model(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
+
+
+def plain_toy(global_batch: int = 12, epochs: int = 2, precision: str = "32") -> dict[str, Any]:
+    """`train_toy`'s run as a plain PyTorch loop: the reference for every strategy's toy run."""
+    inputs, targets = toy_data().tensors
+    return plain_train(toy_model, inputs, targets, seed=7, global_batch=global_batch, epochs=epochs, lr=0.1,
+                       momentum=0.9, precision=precision)
+
+
+class ExampleToy(torch.nn.Module):
+    """examples/toy.py's ToyModel, restated (same layers, same state_dict names) because that script imports
+    paratrain; if the example changes, the comparisons with `plain_example_toy` fail rather than drift."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = torch.nn.Linear(10, 10)
+        self.relu = torch.nn.ReLU()
+        self.net2 = torch.nn.Linear(10, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+def plain_example_toy(global_batch: int = 12, epochs: int = 2) -> dict[str, torch.Tensor]:
+    """Final weights of examples/toy.py at its defaults (seed 0, SGD lr 0.1 without momentum, shuffle=True),
+    trained by `plain_train`: the reference for the launcher tests and tests/cluster/train.py."""
+    inputs = torch.randn(96, 10, generator=torch.Generator().manual_seed(1))
+    targets = torch.randn(96, 5, generator=torch.Generator().manual_seed(2))
+    return plain_train(ExampleToy, inputs, targets, seed=0, global_batch=global_batch, epochs=epochs,
+                       lr=0.1)["weights"]  # type: ignore[no-any-return]
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:

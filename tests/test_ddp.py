@@ -1,23 +1,27 @@
-"""DDP (and FSDP2) on 2 and 3 CPU workers reach the weights of one process at the same global batch.
+"""DDP (and FSDP2) on 2 and 3 CPU workers reach the weights of a plain PyTorch loop in one process at the same
+global batch (helpers.plain_toy, which imports no paratrain: a bug shared with the `single` strategy would show).
 
 Tolerance: float32 weights agree to 2e-6 absolute (all-reduce sums gradients in another order);
-bf16 autocast runs agree to 2e-2 (per-rank matmuls round differently with the smaller batch)."""
+bf16 autocast runs agree to 2e-2 (per-rank matmuls round differently with the smaller batch), and must differ
+from the float32 reference by more than zoo.compare.AUTOCAST_FLOOR (a run that dropped autocast fails)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import max_diff, train_toy
+from helpers import max_diff, plain_toy, train_toy
+from zoo.compare import AUTOCAST_FLOOR
 
 import paratrain
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, dict[str, object]]:
+    """Plain-PyTorch runs; "accum" is one step of 24 rows, the same math as grad_accum=2 of 12."""
     return {
-        "fp32": train_toy("single", global_batch=12),
-        "accum": train_toy("single", global_batch=24),
-        "bf16": train_toy("single", global_batch=12, precision="bf16"),
+        "fp32": plain_toy(global_batch=12),
+        "accum": plain_toy(global_batch=24),
+        "bf16": plain_toy(global_batch=12, precision="bf16"),
     }
 
 
@@ -26,7 +30,7 @@ def _many(configs: list[dict[str, object]]) -> list[dict[str, object]]:
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_ddp_matches_single(nproc: int, reference: dict[str, dict[str, object]]) -> None:
+def test_ddp_matches_a_plain_loop(nproc: int, reference: dict[str, dict[str, object]]) -> None:
     configs = [
         {"strategy": "ddp", "global_batch": 12},
         {"strategy": "ddp", "global_batch": 24, "grad_accum": 2},
@@ -42,13 +46,14 @@ def test_ddp_matches_single(nproc: int, reference: dict[str, dict[str, object]])
         assert max_diff(accum["weights"], reference["accum"]["weights"]) < 2e-6
         assert len(accum["losses"]) == 2 * len(reference["accum"]["losses"])
         assert max_diff(bf16["weights"], reference["bf16"]["weights"]) < 2e-2
+        assert max_diff(bf16["weights"], reference["fp32"]["weights"]) > AUTOCAST_FLOOR  # autocast really ran
         assert max_diff(fsdp["weights"], reference["accum"]["weights"]) < 2e-6  # sharded, same math
     # every rank holds the same weights
     assert max_diff(results[0][0]["weights"], results[-1][0]["weights"]) == 0.0
 
 
 def _ddp_options() -> dict[str, object]:
-    """DDP knobs each still train to the single-process weights (fp16 compression to its precision)."""
+    """DDP knobs each still train to the plain loop's weights (fp16 compression to its precision)."""
     out: dict[str, object] = {}
     for name, opts in {
         "buckets": {"bucket_cap_mb": 0.001},

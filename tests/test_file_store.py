@@ -1,7 +1,7 @@
 """File-store initialisation (`init="file:///path"`): two workers meeting through a shared file reach the
-single-process weights (`setup(init=...)` under `paratrain.launch`), `paratrain run --init` hands the file to
-every worker, a finished run leaves no store file behind, and an unwritable path or a crashed run's file is
-refused at once, naming the fix, while the same file in use by live workers is joined."""
+weights of a plain PyTorch loop in one process (`setup(init=...)` under `paratrain.launch`), `paratrain run
+--init` hands the file to every worker, a finished run leaves no store file behind, and an unwritable path or a
+crashed run's file is refused at once, naming the fix, while the same file in use by live workers is joined."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import helpers
 import pytest
 import torch.distributed as dist
-from helpers import EXAMPLES, max_diff, train_toy
+from helpers import EXAMPLES, max_diff, plain_toy, train_toy
 
 import paratrain
 from paratrain import ParatrainError, cli, file_store
@@ -98,8 +98,8 @@ def test_a_crashed_runs_file_is_told_from_a_live_one(tmp_path: Path, monkeypatch
     del crashed
 
 
-def test_launch_with_file_store_matches_one_process(tmp_path: Path) -> None:
-    reference = train_toy("single")
+def test_launch_with_file_store_matches_a_plain_loop(tmp_path: Path) -> None:
+    reference = plain_toy()
     store = tmp_path / "store"
     results = paratrain.launch(train_toy, "ddp", nproc=2, all_ranks=True, timeout=120, init=f"file://{store}")
     assert [r["world"] for r in results] == [2, 2]

@@ -1,5 +1,5 @@
-"""`paratrain run`, torchrun and plain python run the same example to the same weights; bad launch input
-fails in seconds with the fix named."""
+"""`paratrain run`, torchrun and plain python run the same example to the weights of a plain PyTorch loop
+(helpers.plain_example_toy); bad launch input fails in seconds with the fix named."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EXAMPLES, ROOT, max_diff, paratrain, run_cmd
+from helpers import EXAMPLES, ROOT, max_diff, paratrain, plain_example_toy, run_cmd
 
 from paratrain.runtime import free_port
 
@@ -20,14 +20,12 @@ VENV_BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def single_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("single") / "w.pt"
-    res = run_cmd([sys.executable, TOY, "--strategy", "single", "--save-weights", str(out)], timeout=60)
-    assert res.returncode == 0, res.stdout
-    return torch.load(out)  # type: ignore[no-any-return]
+def plain_weights() -> dict[str, torch.Tensor]:
+    """The example's run as a plain PyTorch loop (no paratrain code)."""
+    return plain_example_toy()
 
 
-def test_same_script_under_python_paratrain_run_and_torchrun(tmp_path: Path, single_weights: dict) -> None:
+def test_same_script_under_python_paratrain_run_and_torchrun(tmp_path: Path, plain_weights: dict) -> None:
     commands = {
         "python": [sys.executable, TOY],
         "paratrain-run": [sys.executable, "-m", "paratrain.cli", "run", "--nproc", "2", TOY],
@@ -38,10 +36,10 @@ def test_same_script_under_python_paratrain_run_and_torchrun(tmp_path: Path, sin
         res = run_cmd([*cmd, "--save-weights", str(out)], timeout=90)
         assert res.returncode == 0, f"{name}:\n{res.stdout[-3000:]}"
         assert "epoch 1 loss" in res.stdout
-        assert max_diff(torch.load(out), single_weights) < 2e-6, name
+        assert max_diff(torch.load(out), plain_weights) < 2e-6, name
 
 
-def test_two_nodes_on_loopback(tmp_path: Path, single_weights: dict) -> None:
+def test_two_nodes_on_loopback(tmp_path: Path, plain_weights: dict) -> None:
     port = free_port()
     out = tmp_path / "w.pt"
     common = ["--nnodes", "2", "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
@@ -65,7 +63,7 @@ def test_two_nodes_on_loopback(tmp_path: Path, single_weights: dict) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outputs)
-    assert max_diff(torch.load(out), single_weights) < 2e-6
+    assert max_diff(torch.load(out), plain_weights) < 2e-6
 
 
 def _fast_error(args: list[str], match: str, limit: float = 15) -> str:

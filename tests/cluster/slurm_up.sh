@@ -2,8 +2,10 @@
 # A two-node Slurm cluster on this one machine, for the tests: slurmctld plus two slurmd (n1, n2) on
 # loopback, each on its own port, node names resolving to 127.0.0.1. Idempotent: installs Debian's
 # slurm-wlm and munge when missing, starts only what is not running, and returns once `sinfo` shows
-# both nodes idle (exit 1 with the daemons' logs after a timeout). Installing needs root and apt-get:
-# without them it exits 2, which the tests take as "no Slurm here" (outside CI).
+# both nodes idle (exit 1 with the daemons' logs after a timeout). Installing and starting need root and
+# apt-get: when this machine cannot have the cluster (not root and it is not already up, no apt-get, the
+# install fails, or munged/slurmctld/slurmd are refused for lack of permission) it exits 2 with the reason on
+# stderr, which the tests report as a skip; any other failure is exit 1.
 #
 #   tests/cluster/slurm_up.sh            # prints the config path: export SLURM_CONF=/tmp/paratrain-slurm/slurm.conf
 #   tests/cluster/slurm_up.sh --down     # stop slurmctld and the two slurmd (munged stays up)
@@ -18,10 +20,25 @@ TIMEOUT_S=${PARATRAIN_SLURM_TIMEOUT:-60}
 export SLURM_CONF=$DIR/slurm.conf
 
 say() { echo "slurm_up: $*" >&2; }
-fail() { say "$*"; for log in "$DIR"/*.log; do [ -f "$log" ] && { say "--- $log"; tail -n 20 "$log" >&2; }; done; exit 1; }
+logs() { for log in "$DIR"/*.log; do [ -f "$log" ] && { say "--- $log"; tail -n 20 "$log" >&2; }; done; return 0; }
+fail() { say "$*"; logs; exit 1; }
+unavailable() { say "$*"; exit 2; }  # this machine cannot have the cluster: not a bug to report
+REFUSED='permission denied|operation not permitted'
 
 running() {  # running PIDFILE: the daemon whose pid the file names is alive
   [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+
+nodes_up() {  # both nodes answering (idle, or busy with another test's job); their states in $states
+  states=$(sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ' || true)
+  [[ "$states" =~ n1=(idle|mix|alloc) && "$states" =~ n2=(idle|mix|alloc) ]]
+}
+
+start() {  # start NAME COMMAND...: a daemon's start command; a refusal for lack of permission exits 2
+  # 9>&-: the daemons must not inherit (and so hold forever) this script's lock
+  "${@:2}" >"$DIR/$1.start" 2>&1 9>&- && return 0
+  if grep -qiE "$REFUSED" "$DIR/$1.start"; then unavailable "$1 cannot be started here: $(cat "$DIR/$1.start")"; fi
+  fail "$1 did not start: $(cat "$DIR/$1.start")"
 }
 
 stop_all() {
@@ -37,12 +54,12 @@ stop_all() {
 
 install_packages() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null && return
-  [ "$(id -u)" = 0 ] || { say "slurm-wlm and munge are not installed and this is not root: cannot install them"; exit 2; }
-  command -v apt-get >/dev/null || { say "slurm-wlm and munge are not installed and there is no apt-get"; exit 2; }
+  command -v apt-get >/dev/null || unavailable "slurm-wlm and munge are not installed and there is no apt-get"
   say "installing slurm-wlm and munge"
   export DEBIAN_FRONTEND=noninteractive
   if ! apt-get install -y -q slurm-wlm munge >"$DIR/apt.log" 2>&1; then
-    { apt-get update -q && apt-get install -y -q slurm-wlm munge; } >"$DIR/apt.log" 2>&1 || fail "apt-get could not install slurm-wlm and munge"
+    { apt-get update -q && apt-get install -y -q slurm-wlm munge; } >"$DIR/apt.log" 2>&1 ||
+      unavailable "apt-get could not install slurm-wlm and munge: $(tail -n 5 "$DIR/apt.log")"
   fi
 }
 
@@ -92,39 +109,50 @@ EOF
 
 name_nodes() {  # n1 and n2 must resolve, to loopback: they are the rendezvous hosts jobs see
   for node in n1 n2; do
-    getent hosts "$node" >/dev/null || echo "127.0.0.1 $node" >>/etc/hosts
+    getent hosts "$node" >/dev/null || echo "127.0.0.1 $node" 2>/dev/null >>/etc/hosts ||
+      unavailable "cannot name node $node: /etc/hosts is not writable here"
   done
 }
 
 start_munge() {
   if munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then return; fi
-  mkdir -p /run/munge
-  chown munge:munge /run/munge
-  chmod 0755 /run/munge
+  { mkdir -p /run/munge && chown munge:munge /run/munge && chmod 0755 /run/munge; } 2>"$DIR/munge.start" ||
+    unavailable "cannot prepare /run/munge for munged: $(cat "$DIR/munge.start")"
   [ -f /etc/munge/munge.key ] || { mungekey --create 2>/dev/null || /usr/sbin/create-munge-key -f; chown munge:munge /etc/munge/munge.key; }
-  runuser -u munge -- /usr/sbin/munged --force 9>&-
+  start munged runuser -u munge -- /usr/sbin/munged --force
   munge -n </dev/null | unmunge >/dev/null || fail "munged does not answer"
 }
 
 start_slurm() {
-  # 9>&-: the daemons must not inherit (and so hold forever) this script's lock
-  running "$DIR/slurmctld.pid" || slurmctld -f "$SLURM_CONF" 9>&-
+  running "$DIR/slurmctld.pid" || start slurmctld slurmctld -f "$SLURM_CONF"
   for node in n1 n2; do
-    running "$DIR/slurmd-$node.pid" || slurmd -f "$SLURM_CONF" -N "$node" 9>&-
+    running "$DIR/slurmd-$node.pid" || start "slurmd-$node" slurmd -f "$SLURM_CONF" -N "$node"
   done
 }
 
-wait_idle() {  # both nodes answering (idle, or busy with another test's job)
-  local deadline=$((SECONDS + TIMEOUT_S)) states=""
+wait_idle() {
+  local deadline=$((SECONDS + TIMEOUT_S)) pidfile
+  states=""
   while [ $SECONDS -lt $deadline ]; do
-    states=$(sinfo -h -N -o '%N=%t' 2>/dev/null | sort -u | tr '\n' ' ' || true)
-    if [[ "$states" =~ n1=(idle|mix|alloc) && "$states" =~ n2=(idle|mix|alloc) ]]; then return 0; fi
+    nodes_up && return 0
     case "$states" in *down*|*drain*) scontrol update nodename=n1,n2 state=resume >/dev/null 2>&1 || true ;; esac
     sleep 0.5
+  done
+  for pidfile in "$DIR"/slurmctld.pid "$DIR"/slurmd-n1.pid "$DIR"/slurmd-n2.pid; do  # a daemon that died refused
+    if ! running "$pidfile" && grep -qiE "$REFUSED" "${pidfile%.pid}.log" 2>/dev/null; then
+      unavailable "$(basename "${pidfile%.pid}") cannot run here: $(grep -iE "$REFUSED" "${pidfile%.pid}.log" | tail -n 3)"
+    fi
   done
   fail "nodes not idle after ${TIMEOUT_S}s (sinfo: ${states:-no answer})"
 }
 
+if [ "$(id -u)" != 0 ]; then  # the daemons run as root: another user can only use a cluster root started
+  command -v sinfo >/dev/null || unavailable "slurm-wlm and munge are not installed and this is not root: cannot install them"
+  [ "${1:-}" != "--down" ] || unavailable "only root can stop the test cluster"
+  nodes_up || unavailable "the test cluster is not running and only root can start its daemons (this is uid $(id -u))"
+  echo "$SLURM_CONF"
+  exit 0
+fi
 exec 9>/tmp/paratrain-slurm.lock
 flock -w "$TIMEOUT_S" 9 || { say "another slurm_up.sh holds /tmp/paratrain-slurm.lock"; exit 1; }
 if [ "${1:-}" = "--down" ]; then stop_all; exit 0; fi
