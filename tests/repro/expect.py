@@ -1,10 +1,11 @@
-"""The one acceptable outcome of every cell of the issue: the run matches plain PyTorch at every step,
-or the library refuses it with a `ParatrainError` naming the user's own module; a raw torch error, a
-generated name (`submod_pp_1`) or a silent mismatch fails."""
+"""The checks of the reproductions. Each test asserts the one outcome its case has: a run that matches plain
+PyTorch at every step (`check_results`), or a `ParatrainError` that names the user's own module and says why
+(`check_refusal`). A test never accepts either, so a fixed case cannot regress into a refusal unseen; a raw
+torch error, a generated name (`submod_pp_1`) or a silent mismatch fails."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import zoo
@@ -29,14 +30,17 @@ def refusal(exc: BaseException) -> paratrain.ParatrainError | None:
     return exc if isinstance(exc, paratrain.ParatrainError) else None
 
 
-def check_refusal(exc: BaseException, names: Sequence[str]) -> None:
-    """`exc` is a clear refusal: a ParatrainError naming one of `names`, no generated names (else re-raised)."""
+def check_refusal(exc: BaseException, names: Sequence[str], reasons: Sequence[str] = ()) -> None:
+    """`exc` is a clear refusal: a ParatrainError naming one of `names` and containing every text of `reasons`
+    (so a refusal for another cause fails), no generated names (anything else is re-raised)."""
     error = refusal(exc)
     if error is None:
         raise exc
     message = str(error)
     assert "submod_" not in message, f"the refusal names a generated module, not the user's: {message}"
     assert any(n in message for n in names), f"the refusal names none of {list(names)}: {message}"
+    missing = [r for r in reasons if r not in message]
+    assert not missing, f"the refusal does not say {missing}: {message}"
 
 
 def check_results(results: Sequence[dict[str, Any]], want: Record, tol: Tolerance) -> None:
@@ -49,12 +53,3 @@ def check_results(results: Sequence[dict[str, Any]], want: Record, tol: Toleranc
     lost = sorted(set(want.weights[-1]) - held)
     assert not lost, f"no rank holds {lost}"
 
-
-def matches_or_refuses(attempt: Callable[[], Sequence[dict[str, Any]]], want: Record, tol: Tolerance,
-                       names: Sequence[str]) -> None:
-    try:
-        results = attempt()
-    except Exception as exc:
-        check_refusal(exc, names)
-        return
-    check_results(results, want, tol)

@@ -1,5 +1,13 @@
 """paratrain's documented dropout rule, written again here in plain PyTorch for the reference run.
 
+Where it is used: tests/test_matrix.py and tests/test_gpu.py compare every dropout case (`applies_to`) with a
+reference run whose `dropout=` is `layout_rule`. Those dropout cells are thus compared with a reference that
+restates the library's rule: they show that every layout draws the rule's masks, and cannot catch a bug in
+the rule itself (a mask repeated across rows, steps or layers, a wrong rate or scale), since the reference
+would share it. tests/test_dropout_stats.py checks the library's masks against statistics instead (the
+dropped fraction, the scale, independence across steps, rows, positions and layers, none in eval mode, the
+same masks under 1 and 2 workers).
+
 The library makes every dropout mask a function of (seed, micro-step, layer, global row, position in the
 row) so that it does not depend on the layout (docs/parallelism.md, "Randomness"). The reference must
 draw the very same masks, and it may not use paratrain's code, so the rule is restated from its

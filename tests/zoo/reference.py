@@ -11,13 +11,14 @@ shared by the library's own `single` strategy and the strategy under test cannot
         loss.backward(); opt.step(); opt.zero_grad()
     model.eval(); with no_grad: eval loss and outputs on a held-out batch
 
-Dropout. Today the masks come from torch's global RNG, seeded before every step (`torch_rng`): they
-depend on the order in which layers and rows draw, so a pipeline or a micro-batch split cannot
-reproduce them, and matrix comparisons of dropout cases use the p=0 variants. The library is to make
-masks independent of the layout (rank, stage, world size, micro-batch split) under a documented rule;
-once it does, pass that rule as `dropout=`: it is called before every training forward with
-(model, seed, step) and may re-seed, or swap the model's `nn.Dropout` modules for ones that draw masks
-by the rule (per layer name, step and sample), so the reference draws exactly the library's masks.
+Dropout. The default `dropout=torch_rng` seeds torch's global RNG before every step; its masks depend on
+the order in which layers and rows draw, so no split layout can reproduce them. The correctness matrix
+(tests/test_matrix.py) and the GPU tests (tests/test_gpu.py) therefore compare dropout cases with
+`dropout=zoo.dropout_rule.layout_rule`, a reference that restates the library's own mask rule (per layer
+path, micro-step, global row and position; docs/parallelism.md, "Randomness") and so draws exactly the
+library's masks. Those comparisons check that every layout draws the rule's masks; they cannot catch a flaw
+in the rule itself (masks repeated across rows or steps, a wrong rate or scale), which both sides would
+share. tests/test_dropout_stats.py checks the library's masks against statistics instead.
 """
 
 from __future__ import annotations

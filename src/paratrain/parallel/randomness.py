@@ -139,6 +139,8 @@ def _module_forward(module: nn.Module, key: str) -> Any:
     channels = isinstance(module, _CHANNEL_DROPOUTS)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not module.training or module.p == 0.0:  # an evaluation between steps draws nothing, counts no call
+            return x
         return dropout(x, module.p, module.training, key, _next_call(key), channels)  # type: ignore[arg-type]
 
     return forward
