@@ -7,6 +7,7 @@ start-up is paid once per column. A cell returns what its rank recorded, or the 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,17 +33,21 @@ class Layout:
     """Rows of the global batches: two full ones and a short last one (an epoch's tail)."""
 
 
+PINNED = {"balance": "equal"}
+"""Pipeline cuts are pinned (equal layer counts), so a cell cannot pass or fail by where a timing put the cut;
+balance="time" is tested on its own (test_partition.py, test_pp.py)."""
+
 LAYOUTS = [
     Layout("single", "single"),
     Layout("ddp", "ddp", 2),
     Layout("fsdp", "fsdp", 2),
-    Layout("mp", "mp", 1, {"devices": ["cpu", "cpu"]}, (1, 4)),
-    Layout("pp-gpipe", "pp", 2, {"schedule": "gpipe"}, (1, 4)),
-    Layout("pp-1f1b", "pp", 2, {"schedule": "1f1b"}, (1, 4)),
-    Layout("pp-interleaved", "pp", 2, {"schedule": "interleaved-1f1b", "stages_per_worker": 2}, (1, 4)),
-    Layout("pp-zero-bubble", "pp", 2, {"schedule": "zero-bubble", "stages_per_worker": 2}, (1, 4)),
-    Layout("ddp+pp", "ddp+pp", 4, {"schedule": "gpipe"}, (1, 4), sizes=(16, 16, 8)),
-    Layout("ddp+mp", "ddp+mp", 2, {"devices_per_worker": 2}, (1, 4)),
+    Layout("mp", "mp", 1, {"devices": ["cpu", "cpu"], **PINNED}, (1, 4)),
+    Layout("pp-gpipe", "pp", 2, {"schedule": "gpipe", **PINNED}, (1, 4)),
+    Layout("pp-1f1b", "pp", 2, {"schedule": "1f1b", **PINNED}, (1, 4)),
+    Layout("pp-interleaved", "pp", 2, {"schedule": "interleaved-1f1b", "stages_per_worker": 2, **PINNED}, (1, 4)),
+    Layout("pp-zero-bubble", "pp", 2, {"schedule": "zero-bubble", "stages_per_worker": 2, **PINNED}, (1, 4)),
+    Layout("ddp+pp", "ddp+pp", 4, {"schedule": "gpipe", **PINNED}, (1, 4), sizes=(16, 16, 8)),
+    Layout("ddp+mp", "ddp+mp", 2, {"devices_per_worker": 2, **PINNED}, (1, 4)),
 ]
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
@@ -68,6 +73,20 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         whole = getattr(value, "full_tensor", None)
         out[key] = (whole() if whole is not None else value).detach().float().cpu().clone()
     return out
+
+
+def placement(run: paratrain.Run, prepared: torch.nn.Module) -> dict[str, Any]:
+    """Where this rank's parameters live: the names it holds, its local elements against the whole tensors'
+    (an FSDP shard holds a part), and the parameters of each stage when one process drives several."""
+    held = run.unwrap(prepared)
+    local = whole = 0
+    for param in held.parameters():
+        whole += param.numel()
+        local += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+    inner = getattr(prepared, "module", prepared)  # ddp+mp: DDP around the one-process pipeline
+    stages = getattr(inner, "stages", None)
+    return {"names": sorted(name for name, _ in held.named_parameters()), "local": local, "whole": whole,
+            "stage_params": [sum(p.numel() for p in s.parameters()) for s in stages] if stages else None}
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
@@ -96,7 +115,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
             optimizer.zero_grad()
             if not slow or i == len(batches) - 1:
                 weights.append(full_state(run.unwrap(model)))
-        result: dict[str, Any] = {"losses": losses, "weights": weights, "rank": run.rank, "eval_loss": None}
+        result: dict[str, Any] = {"losses": losses, "weights": weights, "rank": run.rank, "eval_loss": None,
+                                  "where": placement(run, model)}
         if cell.microbatches in (None, 1) and cell.precision == "fp32":
             x, y = eval_batch(case, rows=EVAL_ROWS)
             x, y = (to_device(chunk(v, replicas)[replica], run.device) for v in (x, y))
@@ -115,4 +135,5 @@ def run_column(cells: list[Cell]) -> dict[str, Any]:
             out[cell.label] = ("ok", run_cell(cell))
         except paratrain.ParatrainError as exc:
             out[cell.label] = ("refused", str(exc))
+            print(f"{cell.label}: refused: {str(exc)[:300]}", file=sys.stderr)  # shown if the ranks disagree
     return out

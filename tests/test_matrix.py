@@ -1,18 +1,22 @@
 """The correctness matrix: every zoo model x every strategy layout x micro-batches 1 and 4, with a short
 last batch and an evaluation pass. Each cell either trains like the plain-PyTorch reference (losses and
 weights at every step, within the case's fp32 tolerance) or is refused by a ParatrainError that names the
-cause and the fix. The refusals are listed below, so the set is visible and can only shrink: a refused cell
-that starts to work, or a working cell that starts to be refused, fails this test.
+cause and the fix. The refusals are listed in matrix_refused.txt, so the set is visible and can only shrink: a
+refused cell that starts to work, or a working cell that starts to be refused, fails this test. Each cell also
+checks that the work was spread as its layout says (`spread`): FSDP ranks hold shards, pipeline ranks their
+stages, model-parallel processes two stages.
 
-Dropout cases are compared with a reference that draws paratrain's documented layout-independent masks
-(zoo/dropout_rule.py); bf16 cells with plain torch.autocast, and must differ from float32 by more than
-zoo.compare.AUTOCAST_FLOOR (a run that silently dropped autocast fails).
+Dropout cases are compared with a reference that restates paratrain's documented layout-independent masks
+(zoo/dropout_rule.py), so they check the layouts against the rule, not the rule itself; test_dropout_stats.py
+checks the masks against statistics. bf16 cells are compared with plain torch.autocast, and every rank's
+weights must differ from float32 by more than zoo.compare.AUTOCAST_FLOOR (a rank that silently dropped autocast
+fails).
 """
 
 from __future__ import annotations
 
-import fnmatch
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,25 +30,38 @@ import paratrain
 
 BATCHNORM = [name for name, case in zoo.MODELS.items() if case.has(zoo.case.BATCHNORM)]
 
-REFUSED: dict[tuple[str, str, int | None], str] = {
-    # 1F1B runs at least as many micro-batches as stages.
-    ("*", "pp-1f1b", 1): "needs at least as many micro-batches as stages",
-    # BatchNorm over a split batch has no exact form on CPU workers or across micro-batches
-    # (setup(batchnorm="local") opts in to per-part statistics; docs/parallelism.md).
-    **{(m, layout, None): "batchnorm='local'" for m in BATCHNORM for layout in ("ddp", "fsdp")},
-    **{(m, layout, mb): "batchnorm='local'" for m in BATCHNORM for layout in ("ddp+mp", "ddp+pp") for mb in (1, 4)},
-    **{(m, layout, 4): "batchnorm='local'" for m in BATCHNORM
-       for layout in ("mp", "pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zero-bubble")},
-}
+REFUSED_FILE = Path(__file__).with_name("matrix_refused.txt")
+
+
+def refused_cells() -> tuple[dict[str, str], int]:
+    """The refused cells (label -> text the refusal must contain) and the count recorded in the file."""
+    cells, recorded = {}, -1
+    for line in REFUSED_FILE.read_text().splitlines():
+        if line.startswith("# cells:"):
+            recorded = int(line.split(":", 1)[1])
+        elif line.strip() and not line.startswith("#"):
+            label, reason = (part.strip() for part in line.split("|", 1))
+            cells[label] = reason
+    return cells, recorded
+
+
+REFUSED, RECORDED = refused_cells()
 BF16_MODELS = ("mlp", "gpt", "llama")
 BF16_LAYOUTS = ("single", "ddp", "fsdp", "mp", "pp-gpipe")
 
 
 def expected_refusal(cell: Cell) -> str | None:
-    for (model, layout, mb), text in REFUSED.items():
-        if fnmatch.fnmatch(cell.model, model) and layout == cell.layout and mb == cell.microbatches:
-            return text
-    return None
+    return REFUSED.get(cell.label)
+
+
+def test_refused_set_only_shrinks() -> None:
+    """Every refused cell exists in the matrix, and the set is as large as the count recorded with it: a new
+    refusal must raise the count in the same change, where a reviewer sees it."""
+    every = {cell.label for layout in LAYOUTS for cell in cells_of(layout.name)}
+    assert not set(REFUSED) - every, f"refused cells the matrix does not have: {sorted(set(REFUSED) - every)}"
+    assert len(REFUSED) <= RECORDED, (f"{len(REFUSED)} refused cells, but {REFUSED_FILE.name} records {RECORDED}: "
+                                      "a cell that trained is refused now; fix it rather than list it")
+    assert len(REFUSED) == RECORDED, f"the refused set shrank to {len(REFUSED)}: lower the recorded count to match"
 
 
 def cells_of(layout: str) -> list[Cell]:
@@ -80,9 +97,34 @@ def _compare(cell: Cell, results: list[dict[str, Any]]) -> list[str]:
         problems.append(f"no rank holds {lost}")
     if cell.precision == "bf16":
         fp32 = reference(cell.model, BY_NAME[cell.layout].sizes, "fp32")
-        common = {k: v for k, v in results[0]["weights"][-1].items() if k in fp32.weights[-1]}
-        if max_diff(common, fp32.weights[-1]) <= AUTOCAST_FLOOR:
-            problems.append("bf16 weights equal the float32 reference's: autocast did not run")
+        for result in results:  # every rank: a stage that dropped autocast must show too
+            common = {k: v for k, v in result["weights"][-1].items() if k in fp32.weights[-1]}
+            if max_diff(common, fp32.weights[-1]) <= AUTOCAST_FLOOR:
+                problems.append(f"rank {result['rank']}: bf16 weights equal the float32 reference's: autocast did "
+                                "not run")
+    return problems + spread(cell, [r["where"] for r in results])
+
+
+def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
+    """The work was really divided as the layout says: a layout that trained the whole model on every rank
+    would match the reference too."""
+    strategy, problems = BY_NAME[cell.layout].strategy, []
+    if strategy in ("single", "ddp"):
+        problems += [f"rank {i} holds {w['local']} of {w['whole']} elements" for i, w in enumerate(where)
+                     if w["local"] != w["whole"]]
+    elif strategy == "fsdp":
+        local, whole = [w["local"] for w in where], where[0]["whole"]
+        if sum(local) != whole or max(local) >= whole:
+            problems.append(f"FSDP ranks hold {local} of {whole} parameter elements: not sharded")
+    elif strategy in ("pp", "ddp+pp"):
+        held = {tuple(w["names"]) for w in where}
+        every = set().union(*held)
+        if len(held) != 2 or any(set(names) == every or not names for names in held):
+            problems.append(f"pipeline ranks hold {len(held)} distinct parameter sets (want 2 stages, each a part)")
+    elif strategy in ("mp", "ddp+mp"):
+        for i, w in enumerate(where):
+            if w["stage_params"] is None or len(w["stage_params"]) != 2 or 0 in w["stage_params"]:
+                problems.append(f"rank {i}: stages hold {w['stage_params']} parameter elements (want 2 stages)")
     return problems
 
 

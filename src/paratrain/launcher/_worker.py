@@ -5,6 +5,7 @@ Usage (by `spawn.launch` only): python -m paratrain.launcher._worker WORKDIR RAN
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -68,6 +69,7 @@ def _close_process_group() -> None:
 
 def main(workdir: Path, rank: int) -> int:
     _end_with_launcher()
+    faulthandler.enable()  # a crash in native code (a segfault, an abort) still prints where Python was
     try:
         import cloudpickle
 

@@ -175,9 +175,16 @@ def _failure(workers: list[_procs.Worker], workdir: Path) -> WorkerFailed:
         except Exception:
             pass
         others = {r: rep["summary"] for r, rep in reports.items() if r != rank}
+        others.update({w.rank: _died(w.code) for w in workers if w.rank not in reports and w.code not in (None, 0)})
         return WorkerFailed(rank, len(workers), reports[rank]["traceback"], error, others, reports[rank]["summary"])
     worker = next(w for w in workers if w.code not in (None, 0))
-    code = worker.code or 0
+    return WorkerFailed(worker.rank, len(workers), f"the process {_died(worker.code)} (out of memory? a crash in "
+                        "native code? its output above shows where)")
+
+
+def _died(code: int | None) -> str:
+    """How a worker that left no Python error ended: a rank killed outright is often the cause of its peers'
+    broken connections, so it is named beside them."""
+    code = code or 0
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    return WorkerFailed(worker.rank, len(workers),
-                        f"the process {how} without a Python error (out of memory? a crash in native code?)")
+    return f"{how} without a Python error"
