@@ -9,10 +9,16 @@ import torch
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """The same structure with `fn` applied to each tensor. Containers keep their type: a Hugging Face
+    `ModelOutput` stays one (the user's loss reads `output.logits`), a namedtuple stays one."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, list | tuple):
-        return type(value)(map_tensors(fn, v) for v in value)
+        items = [map_tensors(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
-        return {k: map_tensors(fn, v) for k, v in value.items()}
+        mapped = {k: map_tensors(fn, v) for k, v in value.items()}
+        if type(value) is dict:
+            return mapped
+        return type(value)(**mapped) if all(isinstance(k, str) for k in mapped) else type(value)(mapped)
     return value
