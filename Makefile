@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-gpu lint typecheck bench limits clean
+.PHONY: setup test test-quick test-gpu lint typecheck bench limits clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ typecheck: setup
 
 test: setup lint typecheck
 	$(VENV)/bin/pytest -q
+
+# pure logic and one-rank tests: the inner loop (about a minute)
+test-quick: setup
+	$(VENV)/bin/pytest -q -m quick
 
 test-gpu: setup
 	PARATRAIN_TEST_GPU=1 $(VENV)/bin/pytest -q -m gpu

@@ -1,10 +1,16 @@
 """Test tiers share these guards: the environment is restored, process groups are destroyed, and a test
-that leaves a child process behind fails."""
+that leaves a child process behind fails.
+
+The tiers: `quick` (pure logic and one-rank tests, `make test-quick`, the inner loop) is every test that is
+not marked `procs` (starts worker processes or commands), `slow` or `gpu`, and is not in a module whose tests
+all start processes. The quick tier checks its own definition: under `-m quick` a test that starts a process
+fails, naming the marker to add."""
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # The suite tests CPU workers (each a "device"), identically on a machine with GPUs: they are hidden
@@ -12,11 +18,63 @@ from pathlib import Path
 if not os.environ.get("PARATRAIN_TEST_GPU"):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# `paratrain.launch` workers fork from one warm template per test run (paratrain/launcher/_zygote.py), so a
+# multi-process test pays torch's import once, not per worker. What the template imports is what the tests'
+# workers import lazily (DDP imports torch._dynamo; the zoo builds transformers and torchvision models).
+WARM_MODULES = ",".join([
+    "torch", "torch._dynamo", "torch.distributed.pipelining", "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "paratrain", "cloudpickle",
+    "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+    "transformers.models.bert.modeling_bert", "torchvision.models",
+])
+os.environ.setdefault("PARATRAIN_WARM_WORKERS", WARM_MODULES)
+
+# The matrix traces each zoo model once per run (tests/trace_cache.py), into a folder its workers share.
+_TRACES = tempfile.TemporaryDirectory(prefix="paratrain-test-traces-")
+os.environ["PARATRAIN_TEST_TRACE_CACHE"] = _TRACES.name
+
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from paratrain.launcher._zygote import template_pids  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+PROCESS_MODULES = {
+    "test_collectives", "test_data_equivalence", "test_ddp", "test_ddp_tuning", "test_examples", "test_faults",
+    "test_fsdp", "test_hybrid", "test_launcher", "test_notebook", "test_observe_ranks", "test_pp", "test_resume",
+    "test_slurm", "test_data_parallel", "test_dropout_stats",
+}
+"""Modules whose every test starts processes (the others mark such tests one by one with `procs`)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        if not marks & {"procs", "slow", "gpu"} and item.module.__name__.rsplit(".", 1)[-1] not in PROCESS_MODULES:
+            item.add_marker(pytest.mark.quick)
+
+
+@pytest.fixture(autouse=True)
+def _quick_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `-m quick`, starting Python (a worker, a launcher, a script) or a shell fails the test; small tools
+    such as `lscpu` that a report reads stay allowed."""
+    if request.config.getoption("markexpr") != "quick":
+        return
+    import subprocess
+
+    start = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def guarded(self: subprocess.Popen[bytes], args: object, *rest: object, **kwargs: object) -> None:
+        first = args if isinstance(args, str | bytes) else list(args)[0]  # type: ignore[call-overload]
+        name = os.path.basename(os.fsdecode(first).split()[0])
+        if "python" in name or name in {"paratrain", "torchrun", "srun", "sbatch", "bash", "sh"}:
+            raise AssertionError(f"a quick-tier test started {name!r}: mark it @pytest.mark.procs (tests/conftest.py)")
+        start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", guarded)
 
 
 def _children() -> set[int]:
@@ -49,13 +107,13 @@ def _guard():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
-    leaked = _children() - before
+    leaked = _children() - before - template_pids()
     if leaked:
         import signal
         import time
 
         time.sleep(1.0)
-        leaked = _children() - before
+        leaked = _children() - before - template_pids()
         for pid in leaked:
             try:
                 os.kill(pid, signal.SIGKILL)

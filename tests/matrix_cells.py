@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import trace_cache
 import zoo
 from zoo.reference import Optim, chunk, eval_batch, global_batches, to_device
 
@@ -105,7 +106,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         model = case.build(0)
         optimizer = Optim().make(model.parameters(), case)
         mine = chunk(batches[0][0], replicas)[replica]
-        model, optimizer = run.prepare(model, optimizer, example=to_device(mine, run.device))
+        with trace_cache.for_case(cell.model):
+            model, optimizer = run.prepare(model, optimizer, example=to_device(mine, run.device))
         slow = case.has(zoo.case.SLOW)
         losses, weights = [], []
         for i, (inputs, targets) in enumerate(batches):

@@ -15,6 +15,7 @@ fails).
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,17 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+@pytest.fixture
+def traced_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches fork from a template that has traced every zoo model (tests/matrix_warm.py)."""
+    tests = str(Path(__file__).parent)
+    monkeypatch.setenv("PARATRAIN_WARM_WORKERS", os.environ.get("PARATRAIN_WARM_WORKERS", "torch") + ",matrix_warm")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.usefixtures("traced_workers")
 @pytest.mark.parametrize("layout", [layout.name for layout in LAYOUTS])
 def test_every_model_matches_or_is_refused_by_name(layout: str) -> None:
     spec = BY_NAME[layout]

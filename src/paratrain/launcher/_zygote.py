@@ -32,8 +32,9 @@ import warnings
 from pathlib import Path
 from typing import IO, Any
 
-_READY_TIMEOUT_S = 180.0
-"""How long a template may take to import its modules (torchvision alone takes seconds on a busy machine)."""
+_READY_TIMEOUT_S = 300.0
+"""How long a template may take to import its modules (torchvision alone takes seconds on a busy machine, and a
+module may do work at import that every worker then inherits)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
