@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import trace_cache
 import zoo
-from zoo.reference import Optim, chunk, eval_batch, global_batches, to_device
+from torch.utils.data import DataLoader, Dataset
+from zoo.reference import Optim, chunk, eval_batch, global_batches, rows, to_device
 
 import paratrain
 
@@ -31,24 +32,27 @@ class Layout:
     options: dict[str, Any] = field(default_factory=dict)
     microbatches: tuple[int | None, ...] = (None,)
     sizes: tuple[int, ...] = (8, 8, 4)
-    """Rows of the global batches: two full ones and a short last one (an epoch's tail)."""
+    """Rows of the global batches: two full ones and a short last one (an epoch's tail). Data-parallel layouts
+    end on one that does not split evenly over the replicas; pipelines split a batch into equal micro-batches."""
 
 
+UNEVEN = (8, 8, 5)
+"""A last batch of 5 rows: 3 and 2 over two replicas."""
 PINNED = {"balance": "equal"}
 """Pipeline cuts are pinned (equal layer counts), so a cell cannot pass or fail by where a timing put the cut;
 balance="time" is tested on its own (test_partition.py, test_pp.py)."""
 
 LAYOUTS = [
-    Layout("single", "single"),
-    Layout("ddp", "ddp", 2),
-    Layout("fsdp", "fsdp", 2),
+    Layout("single", "single", sizes=UNEVEN),
+    Layout("ddp", "ddp", 2, sizes=UNEVEN),
+    Layout("fsdp", "fsdp", 2, sizes=UNEVEN),
     Layout("mp", "mp", 1, {"devices": ["cpu", "cpu"], **PINNED}, (1, 4)),
     Layout("pp-gpipe", "pp", 2, {"schedule": "gpipe", **PINNED}, (1, 4)),
     Layout("pp-1f1b", "pp", 2, {"schedule": "1f1b", **PINNED}, (1, 4)),
     Layout("pp-interleaved", "pp", 2, {"schedule": "interleaved-1f1b", "stages_per_worker": 2, **PINNED}, (1, 4)),
     Layout("pp-zero-bubble", "pp", 2, {"schedule": "zero-bubble", "stages_per_worker": 2, **PINNED}, (1, 4)),
     Layout("ddp+pp", "ddp+pp", 4, {"schedule": "gpipe", **PINNED}, (1, 4), sizes=(16, 16, 8)),
-    Layout("ddp+mp", "ddp+mp", 2, {"devices_per_worker": 2, **PINNED}, (1, 4)),
+    Layout("ddp+mp", "ddp+mp", 2, {"devices_per_worker": 2, **PINNED}, (1, 4), sizes=UNEVEN),
 ]
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
@@ -74,6 +78,31 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         whole = getattr(value, "full_tensor", None)
         out[key] = (whole() if whole is not None else value).detach().float().cpu().clone()
     return out
+
+
+class _Rows(Dataset[tuple[Any, Any]]):
+    """The global batches as one sequence of rows, in order, for the user's DataLoader: paratrain's loader cuts
+    it back into the same global batches and gives each replica its share, a short last batch unevenly (5 rows
+    over 2 replicas: 3 and 2, each rank's loss weighted by its rows), as in the README's loop."""
+
+    def __init__(self, batches: list[tuple[Any, Any]]) -> None:
+        self.inputs, self.targets = (_cat([b[i] for b in batches]) for i in (0, 1))
+
+    def __len__(self) -> int:
+        return rows(self.inputs)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        return _row(self.inputs, i), _row(self.targets, i)
+
+
+def _cat(values: list[Any]) -> Any:
+    if isinstance(values[0], dict):
+        return {k: torch.cat([v[k] for v in values]) for k in values[0]}
+    return torch.cat(values)
+
+
+def _row(value: Any, i: int) -> Any:
+    return {k: v[i] for k, v in value.items()} if isinstance(value, dict) else value[i]
 
 
 def placement(run: paratrain.Run, prepared: torch.nn.Module) -> dict[str, Any]:
@@ -110,8 +139,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
             model, optimizer = run.prepare(model, optimizer, example=to_device(mine, run.device))
         slow = case.has(zoo.case.SLOW)
         losses, weights = [], []
-        for i, (inputs, targets) in enumerate(batches):
-            inputs, targets = (to_device(chunk(v, replicas)[replica], run.device) for v in (inputs, targets))
+        loader = run.prepare_loader(DataLoader(_Rows(batches), batch_size=run.per_worker_batch(layout.sizes[0])))
+        for i, (inputs, targets) in enumerate(loader):
+            inputs, targets = to_device(inputs, run.device), to_device(targets, run.device)
             losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
             optimizer.step()
             optimizer.zero_grad()

@@ -334,6 +334,7 @@ def test_lossy_options_show_their_final_loss_beside_the_exact_run() -> None:
 # -- tier 4: the CLI end to end on real workers --------------------------------------------------------
 
 
+@pytest.mark.procs
 def test_bench_end_to_end_on_cpu_workers(tmp_path: Path) -> None:
     """single, dp, ddp and pp (2 micro-batches) on 2 CPU workers: every requested strategy is measured or
     reported not applicable with its reason; the references run beside ddp and pp; plots are written."""
@@ -361,6 +362,7 @@ def test_bench_end_to_end_on_cpu_workers(tmp_path: Path) -> None:
     assert "| ddp | 2 |" in (out / "table.md").read_text()
 
 
+@pytest.mark.procs
 def test_a_failing_model_is_reported_failed_with_its_error(tmp_path: Path) -> None:
     (tmp_path / "broken_model.py").write_text(textwrap.dedent("""
         import torch
@@ -394,6 +396,7 @@ def _env(path: Path) -> dict[str, str]:
     return cli_env(PYTHONPATH=os.pathsep.join([str(path), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
+@pytest.mark.procs
 def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
     """The tiny gpt on single, ddp and pp (2 micro-batches), 2 CPU workers: valid results.json with the
     counted FLOPs and each worker's measured peak; every ok run has tokens/s and an MFU in (0, 1]; the
@@ -425,6 +428,7 @@ def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
     _png(out / "throughput.png")
 
 
+@pytest.mark.procs
 def test_bench_times_comm_hooks_and_schedule_auto(tmp_path: Path) -> None:
     """ddp with torch's settings, comm_hook=auto and bf16 side by side, and pp with schedule=auto: each
     measured, each paratrain run reporting its final loss (the lossy one's effect is visible)."""

@@ -302,6 +302,7 @@ def _fsdp_save(ckpt: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_sharded_checkpoint_uses_dcp_and_loads_on_another_world_size(tmp_path: Path) -> None:
     saved = paratrain.launch(_fsdp_save, str(tmp_path), nproc=2, timeout=80)

@@ -71,6 +71,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.procs
 def test_a_crashed_runs_file_is_told_from_a_live_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same bytes on disk are joined while a live worker holds the lock, and refused once it is gone."""
     path = tmp_path / "store"
@@ -98,6 +99,7 @@ def test_a_crashed_runs_file_is_told_from_a_live_one(tmp_path: Path, monkeypatch
     del crashed
 
 
+@pytest.mark.procs
 def test_launch_with_file_store_matches_a_plain_loop(tmp_path: Path) -> None:
     reference = plain_toy()
     store = tmp_path / "store"
@@ -118,6 +120,7 @@ print(f"rank {run.rank} of {run.world_size}: total {total.item():g}, store file 
 """
 
 
+@pytest.mark.procs
 def test_paratrain_run_with_file_init(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Weights are compared in the launch test above; here: `--init` reaches every worker of torchrun's agent,
     which meet through the file (present while they run, gone after, although the script never closes)."""

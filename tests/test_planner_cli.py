@@ -32,6 +32,7 @@ def test_plan_an_analytic_gpt_on_a_preset_cluster(tmp_path: Path, capsys: pytest
     assert (out / "plan_scaling.png").read_bytes()[:8] == PNG
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_validate_runs_layouts_here_and_writes_validation_json(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:

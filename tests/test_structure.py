@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from paratrain import strategies
 from paratrain.config import STRATEGY_NAMES
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 
 
+@pytest.mark.procs
 def test_import_loads_no_strategy_module_until_one_is_asked_for() -> None:
     code = ("import sys, paratrain; print(sorted(m for m in sys.modules if m.startswith('paratrain.strategies.'))); "
             "paratrain.strategies.get('pp'); print(sorted(m for m in sys.modules "

@@ -81,6 +81,7 @@ def _two_balances(case: str) -> list[dict[str, Any]]:
             for balance in ([8, 1], [7, 2])]
 
 
+@pytest.mark.procs
 def test_dropout_does_not_depend_on_the_balance() -> None:
     """Finding 5 (fixed; was: each pipeline rank draws dropout masks from its own seed, so moving a dropout layer to
     another rank by the balance changes the run)."""
@@ -131,6 +132,7 @@ def test_dict_inputs_and_outputs() -> None:
     check_results(_mp("dict_io"), reference("dict_io"), _tol("dict_io"))
 
 
+@pytest.mark.procs
 def test_tuples_between_sequential_layers() -> None:
     """Finding 6 (fixed: matches plain PyTorch under pp on 2 workers; was: tuples passed between nn.Sequential layers
     fail under pp with torch's raw TypeError)."""
@@ -138,6 +140,7 @@ def test_tuples_between_sequential_layers() -> None:
     check_results(results, reference("tuple_seq"), _tol("tuple_seq"))
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("schedule,per_worker", [("interleaved-1f1b", 2), ("1f1b", 1)])
 def test_a_strided_input_gradient_is_sent_contiguous(schedule: str, per_worker: int) -> None:
     """Found by the matrix on a loaded machine, when balance="time" happened to cut just before `Close`:
@@ -167,6 +170,7 @@ def _evaluate_pipeline(run: paratrain.Run, model: nn.Module, optimizer: torch.op
     return outcomes
 
 
+@pytest.mark.procs
 def test_pipeline_evaluation() -> None:
     """Finding 6 (fixed: both calls evaluate, and match plain PyTorch: forward_backward under no_grad gives the
     evaluation loss on every rank, model(x) the outputs on the last stage and None on the others; was: pp has no
