@@ -22,10 +22,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy src/paratrain
 
+# the whole suite on two test processes (pytest-xdist; the matrix's two halves run side by side)
 test: setup lint typecheck
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadscope
 
-# pure logic and one-rank tests: the inner loop (about a minute)
+# pure logic and one-rank tests: the inner loop (about a minute after setup)
 test-quick: setup
 	$(VENV)/bin/pytest -q -m quick
 

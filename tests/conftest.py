@@ -29,9 +29,11 @@ WARM_MODULES = ",".join([
 ])
 os.environ.setdefault("PARATRAIN_WARM_WORKERS", WARM_MODULES)
 
-# The matrix traces each zoo model once per run (tests/trace_cache.py), into a folder its workers share.
-_TRACES = tempfile.TemporaryDirectory(prefix="paratrain-test-traces-")
-os.environ["PARATRAIN_TEST_TRACE_CACHE"] = _TRACES.name
+# The matrix traces each zoo model once per run (tests/trace_cache.py), into a folder its workers share; under
+# pytest-xdist the controller makes it before the test processes start, and they inherit it.
+if "PARATRAIN_TEST_TRACE_CACHE" not in os.environ:
+    _TRACES = tempfile.TemporaryDirectory(prefix="paratrain-test-traces-")
+    os.environ["PARATRAIN_TEST_TRACE_CACHE"] = _TRACES.name
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402

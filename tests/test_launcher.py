@@ -66,13 +66,14 @@ def test_two_nodes_on_loopback(tmp_path: Path, plain_weights: dict) -> None:
     assert max_diff(torch.load(out), plain_weights) < 2e-6
 
 
-def _fast_error(args: list[str], match: str, limit: float = 15) -> str:
-    start = time.monotonic()
-    res = paratrain(*args, timeout=60)
-    took = time.monotonic() - start
+def _fast_error(args: list[str], match: str, within: float = 45) -> str:
+    """The command fails with `match` without first waiting out a timeout. No duration is asserted: the slow
+    way to each of these errors is a wait of at least 60 s (the default --connect-timeout and rendezvous join
+    timeout) or a hang in a collective (600 s), so ending within `within` seconds, several times what the
+    command takes on a loaded machine, is the proof; `paratrain` fails the test past it."""
+    res = paratrain(*args, timeout=within)
     assert res.returncode != 0, res.stdout
     assert match in res.stdout, res.stdout[-3000:]
-    assert took < limit, f"took {took:.1f}s"
     return res.stdout
 
 
@@ -100,14 +101,14 @@ def test_bad_flags_fail_fast() -> None:
 def test_errors_inside_workers_name_the_fix() -> None:
     # a global batch smaller than the world size, and dp on a CPU-only machine
     out = _fast_error(["run", "--nproc", "3", TOY, "--global-batch", "2"], "global batch 2 cannot be split evenly",
-                      limit=40)
+                      within=120)
     # raised by every rank, told once (it used to be once per rank: 75 lines for 3 workers); ranks the agent
     # stopped before they raised it are listed as stopped
     assert out.count("global batch 2 cannot be split evenly") == 1, out
     assert re.search(r"worker ranks? [0-2](, [0-2])* of 3 failed", out), out
     assert len(out.splitlines()) < 25, out
     _fast_error(["run", "--nproc", "1", TOY, "--strategy", "dp"],
-                "strategy 'dp' (torch.nn.DataParallel) needs CUDA GPUs", limit=40)
+                "strategy 'dp' (torch.nn.DataParallel) needs CUDA GPUs", within=120)
 
 
 def test_dry_run_prints_the_invocation_and_starts_nothing(capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,7 +118,7 @@ def test_dry_run_prints_the_invocation_and_starts_nothing(capsys: pytest.Capture
     start = time.monotonic()
     # node 1 of 2 whose master is not up: a real run would wait for it, a dry run only prints
     assert main(["run", "--dry-run", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), TOY, "--x"]) == 0
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # a real run would wait the 60 s --connect-timeout for the master
     out = capsys.readouterr().out
     command = out.splitlines()[1].split()
     assert command[0] == "env" and "PARATRAIN_CONNECT_TIMEOUT=60.0" in command and "OMP_NUM_THREADS=1" in command

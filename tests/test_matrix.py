@@ -144,11 +144,33 @@ def traced_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
 
 
+HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b"),
+          ("pp-gpipe", "pp-interleaved", "pp-zero-bubble", "ddp+pp"))
+"""The columns in two halves of about equal time, one class each, so that `pytest -n N --dist loadscope` (make
+test) runs them on two workers side by side."""
+assert sorted(HALVES[0] + HALVES[1]) == sorted(layout.name for layout in LAYOUTS)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.usefixtures("traced_workers")
-@pytest.mark.parametrize("layout", [layout.name for layout in LAYOUTS])
-def test_every_model_matches_or_is_refused_by_name(layout: str) -> None:
+class TestDataAndModelParallelColumns:
+    @pytest.mark.parametrize("layout", HALVES[0])
+    def test_every_model_matches_or_is_refused_by_name(self, layout: str) -> None:
+        check_column(layout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.usefixtures("traced_workers")
+class TestPipelineColumns:
+    @pytest.mark.parametrize("layout", HALVES[1])
+    def test_every_model_matches_or_is_refused_by_name(self, layout: str) -> None:
+        check_column(layout)
+
+
+def check_column(layout: str) -> None:
+    """Every cell of one layout matches the reference or is refused as matrix_refused.txt says."""
     spec = BY_NAME[layout]
     cells = cells_of(layout)
     if spec.nproc == 1:

@@ -87,7 +87,7 @@ def _fails_fast(match: str, fn, *args, **kwargs) -> None:  # type: ignore[no-unt
     start = time.monotonic()
     with pytest.raises(ParatrainError, match=match):
         fn(*args, **kwargs)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # the slow ways are the 60 s connect and rendezvous timeouts
 
 
 def test_bad_setup_options_name_the_fix() -> None:
