@@ -154,19 +154,19 @@ assert sorted(HALVES[0] + HALVES[1]) == sorted(layout.name for layout in LAYOUTS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.usefixtures("traced_workers")
-class TestDataAndModelParallelColumns:
-    @pytest.mark.parametrize("layout", HALVES[0])
+class _Columns:
     def test_every_model_matches_or_is_refused_by_name(self, layout: str) -> None:
         check_column(layout)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.usefixtures("traced_workers")
-class TestPipelineColumns:
-    @pytest.mark.parametrize("layout", HALVES[1])
-    def test_every_model_matches_or_is_refused_by_name(self, layout: str) -> None:
-        check_column(layout)
+@pytest.mark.parametrize("layout", HALVES[0])
+class TestDataAndModelParallelColumns(_Columns):
+    pass
+
+
+@pytest.mark.parametrize("layout", HALVES[1])
+class TestPipelineColumns(_Columns):
+    pass
 
 
 def check_column(layout: str) -> None:

@@ -45,7 +45,7 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """Fork a worker per request and report exits; returns only in a forked worker, with its request."""
     children: set[int] = set()
     while True:
-        ready, _, _ = select.select([sock], [], [], 0.02)
+        ready, _, _ = select.select([sock], [], [], 0.02 if children else None)  # idle: sleep until asked
         _reap(sock, children)
         if not ready:
             continue
