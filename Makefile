@@ -10,11 +10,9 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# --no-compile: Python compiles a module when it is first imported, so the thousands never imported are skipped
-# (the install took 3.0 minutes here with them, 1.8 without)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.[dev,bench,vision,notebook,hf,cluster,plan,tensorboard]' 2>&1 | { grep -v "is ignored" || true; }
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,bench,vision,notebook,hf,cluster,plan,tensorboard]' 2>&1 | { grep -v "is ignored" || true; }
 	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml, tensorboard, tqdm" 
 	touch $(STAMP)
 
