@@ -33,11 +33,10 @@ class Worker:
         return self.proc.poll()
 
 
-def start(rank: int, argv: list[str], env: dict[str, str], prefix: bool, workdir: str,
-          template: Template | None = None) -> Worker:
+def start(rank: int, argv: list[str], env: dict[str, str], prefix: bool, template: Template | None = None) -> Worker:
     proc: subprocess.Popen[bytes] | ForkedProcess
     if template is not None:
-        proc = template.fork(argv, env, workdir, rank)
+        proc = template.fork(argv, env)
     else:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)

@@ -95,7 +95,8 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     from . import _worker
 
-    return _worker.main(Path(request["workdir"]), int(request["rank"]))
+    workdir, rank = request["argv"][-2:]  # the spawned worker's command line: ... _worker WORKDIR RANK
+    return _worker.main(Path(workdir), int(rank))
 
 
 def _main() -> None:
@@ -204,12 +205,12 @@ class Template:
                 return 1  # the template died first and could not report it: the worker has ended all the same
             return code
 
-    def fork(self, argv: list[str], env: dict[str, str], workdir: str, rank: int) -> ForkedProcess:
+    def fork(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
         """A new worker with pipes for its stdin (the lifeline), stdout and stderr, as `Popen` would give it."""
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         stderr_r, stderr_w = os.pipe()
-        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "workdir": workdir, "rank": rank}
+        request = {"argv": argv, "env": env, "cwd": os.getcwd()}
         try:
             with self._lock:
                 socket.send_fds(self.sock, [json.dumps(request).encode()], [stdin_r, stdout_w, stderr_w])
@@ -222,14 +223,6 @@ class Template:
             for fd in (stdin_r, stdout_w, stderr_w):
                 os.close(fd)
         return ForkedProcess(self, pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"), os.fdopen(stderr_r, "rb"))
-
-    def close(self) -> None:
-        self.sock.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _exists(pid: int) -> bool:

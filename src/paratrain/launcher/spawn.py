@@ -89,7 +89,7 @@ def launch(
         for rank in range(nproc):
             argv = [sys.executable, "-m", "paratrain.launcher._worker", str(workdir), str(rank)]
             workers.append(_procs.start(rank, argv, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                        prefix_output, str(workdir), template))
+                                        prefix_output, template))
         _wait(workers, workdir, timeout)
         results = [_load(workdir / f"result-{r}.pkl") for r in (range(nproc) if all_ranks else [0])]
         return results if all_ranks else results[0]
