@@ -32,6 +32,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 
 
+def _launcher_pid() -> int:
+    """The agent that started us: `paratrain run` names itself (its warm workers are forked by a template, so
+    their parent is not the agent); under torchrun it is our parent."""
+    return int(os.environ.get("PARATRAIN_AGENT_PID") or os.getppid())
+
+
 class Ledger:
     """Append-only JSON lines per rank; each line says which generation (start of a process group) wrote it."""
 
@@ -82,12 +88,12 @@ class Faults:
         if self._due("kill"):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("kill-node"):
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(_launcher_pid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("term"):
             os.kill(os.getpid(), signal.SIGTERM)
         if self._due("term-launcher"):
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(_launcher_pid(), signal.SIGTERM)
         if self._due("hang"):
             while True:
                 time.sleep(3600)

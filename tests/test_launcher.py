@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EXAMPLES, ROOT, max_diff, paratrain, plain_example_toy, run_cmd
+from helpers import EXAMPLES, ROOT, cli_env, max_diff, paratrain, plain_example_toy, run_cmd
 
 from paratrain.runtime import free_port
 
@@ -26,14 +26,16 @@ def plain_weights() -> dict[str, torch.Tensor]:
 
 
 def test_same_script_under_python_paratrain_run_and_torchrun(tmp_path: Path, plain_weights: dict) -> None:
-    commands = {
-        "python": [sys.executable, TOY],
-        "paratrain-run": [sys.executable, "-m", "paratrain.cli", "run", "--nproc", "2", TOY],
-        "torchrun": [str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", TOY],
+    run = [sys.executable, "-m", "paratrain.cli", "run", "--nproc", "2", TOY]
+    commands = {  # paratrain run with workers started as new processes (the default) and forked warm
+        "python": ([sys.executable, TOY], cli_env()),
+        "paratrain-run": (run, cli_env(PARATRAIN_WARM_WORKERS="")),
+        "paratrain-run-warm": (run, cli_env()),
+        "torchrun": ([str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", TOY], cli_env()),
     }
-    for name, cmd in commands.items():
+    for name, (cmd, env) in commands.items():
         out = tmp_path / f"{name}.pt"
-        res = run_cmd([*cmd, "--save-weights", str(out)], timeout=90)
+        res = run_cmd([*cmd, "--save-weights", str(out)], timeout=90, env=env)
         assert res.returncode == 0, f"{name}:\n{res.stdout[-3000:]}"
         assert "epoch 1 loss" in res.stdout
         assert max_diff(torch.load(out), plain_weights) < 2e-6, name

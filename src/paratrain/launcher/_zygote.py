@@ -75,8 +75,8 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
         sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
-    """In the fork: take the launcher's pipes, environment and directory, then run the worker's main."""
+def adopt(request: dict[str, Any], fds: list[int]) -> None:
+    """In a fork: become the process the launcher would have spawned (its pipes, environment and directory)."""
     os.setsid()  # its own process group, as `start_new_session=True` gives a spawned worker
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -90,9 +90,14 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
     os.environ.update(env)
     os.chdir(request["cwd"])
     sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    sys.argv = list(request["argv"])
     if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def _become_worker(request: dict[str, Any], fds: list[int]) -> int:
+    """In the fork: take the launcher's pipes, environment and directory, then run the worker's main."""
+    adopt(request, fds)
+    sys.argv = list(request["argv"])
     from . import _worker
 
     workdir, rank = request["argv"][-2:]  # the spawned worker's command line: ... _worker WORKDIR RANK
@@ -109,18 +114,23 @@ def _main() -> None:
     try:
         code = _become_worker(request, fds)
     finally:
-        _exit(code)
+        exit_forked(code)
 
 
-def _exit(code: int) -> None:
-    """End a forked worker without tearing down the template's modules: exit handlers run and output is
-    flushed, but the interpreter's final collection (seconds, touching every inherited page) is skipped."""
+def exit_forked(code: int) -> None:
+    """End a forked worker without tearing down the template's modules: its threads are joined, exit handlers
+    run and output is flushed, but the interpreter's final collection (seconds, touching every inherited page)
+    is skipped. A negative code ends it by that signal, as an unhandled KeyboardInterrupt does."""
     try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what a normal exit does first
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
     finally:
-        os._exit(code)
+        os._exit(code if code >= 0 else 128 - code)
 
 
 # ---------------------------------------------------------------------------------------------------------

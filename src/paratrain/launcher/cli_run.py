@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from .. import file_store
 from ..errors import ParatrainError
-from ..runtime import cuda_count, torchrun_variables
+from ..runtime import cuda_count, torchrun_variables, warm_modules
+from . import _warm_run
 from .checks import LaunchSpec, check
 from .cluster import TORCHRUN_VARIABLES
 from .failures import Failure, describe
@@ -97,6 +98,7 @@ def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = F
         print(dry_run_text(spec, script, script_args), flush=True)
         return 0
     os.environ.update(worker_env(spec))
+    os.environ["PARATRAIN_AGENT_PID"] = str(os.getpid())  # a warm worker's parent is its template, not us
     for name in _CONSUMED:
         # Now flags: torchrun's parser would read them again (PET_NODE_RANK, which c10d ignores with a warning).
         os.environ.pop(f"PET_{name}", None)
@@ -104,6 +106,10 @@ def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = F
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    warm = _warm_run.start(warm_modules())
+    if warm is not None:  # the agent starts a small client per worker; the client has the worker forked
+        os.environ[_warm_run.SOCKET_VARIABLE] = warm.path
+        script, script_args = _warm_run.CLIENT, [script, *script_args]
     args = torchrun.parse_args(torchrun_args(spec, script, script_args))
     try:
         torchrun.run(args)
@@ -115,6 +121,9 @@ def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = F
         world = spec.nproc * spec.max_nodes if spec.min_nodes == spec.max_nodes else None
         print(f"paratrain run: {describe(map(_failure, exc.failures.items()), world)}", flush=True)
         return 1
+    finally:
+        if warm is not None:
+            warm.close()
     return 0
 
 
