@@ -31,6 +31,8 @@ class Layout:
     nproc: int = 1
     options: dict[str, Any] = field(default_factory=dict)
     microbatches: tuple[int | None, ...] = (None,)
+    models: tuple[str, ...] | None = None
+    """The zoo models this column runs (None: every one); tensor parallelism is for the transformers."""
     sizes: tuple[int, ...] = (8, 8, 4)
     """Rows of the global batches: two full ones and a short last one (an epoch's tail). Data-parallel layouts
     end on one that does not split evenly over the replicas; pipelines split a batch into equal micro-batches."""
@@ -41,6 +43,9 @@ UNEVEN = (8, 8, 5)
 PINNED = {"balance": "equal"}
 """Pipeline cuts are pinned (equal layer counts), so a cell cannot pass or fail by where a timing put the cut;
 balance="time" is tested on its own (test_partition.py, test_pp.py)."""
+
+TRANSFORMERS = ("gpt", "llama", "hf_gpt2", "hf_llama")
+"""The zoo's decoders, the models tensor parallelism is for."""
 
 LAYOUTS = [
     Layout("single", "single", sizes=UNEVEN),
@@ -53,6 +58,9 @@ LAYOUTS = [
     Layout("pp-zero-bubble", "pp", 2, {"schedule": "zero-bubble", "stages_per_worker": 2, **PINNED}, (1, 4)),
     Layout("ddp+pp", "ddp+pp", 4, {"schedule": "gpipe", **PINNED}, (1, 4), sizes=(16, 16, 8)),
     Layout("ddp+mp", "ddp+mp", 2, {"devices_per_worker": 2, **PINNED}, (1, 4), sizes=UNEVEN),
+    Layout("tp", "tp", 2, models=TRANSFORMERS, sizes=UNEVEN),
+    Layout("fsdp+tp", "fsdp+tp", 4, {"tp_size": 2}, models=TRANSFORMERS, sizes=UNEVEN),
+    Layout("ddp+tp", "ddp+tp", 4, {"tp_size": 2}, models=TRANSFORMERS, sizes=UNEVEN),
 ]
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
@@ -109,13 +117,18 @@ def placement(run: paratrain.Run, prepared: torch.nn.Module) -> dict[str, Any]:
     """Where this rank's parameters live: the names it holds, its local elements against the whole tensors'
     (an FSDP shard holds a part), and the parameters of each stage when one process drives several."""
     held = run.unwrap(prepared)
-    local = whole = 0
+    local = whole = tp_local = tp_whole = 0
     for param in held.parameters():
+        mine = param.to_local().numel() if hasattr(param, "to_local") else param.numel()
         whole += param.numel()
-        local += param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+        local += mine
+        names = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
+        if "tp" in names and param.placements[names.index("tp")].is_shard():
+            tp_local, tp_whole = tp_local + mine, tp_whole + param.numel()
     inner = getattr(prepared, "module", prepared)  # ddp+mp: DDP around the one-process pipeline
     stages = getattr(inner, "stages", None)
     return {"names": sorted(name for name, _ in held.named_parameters()), "local": local, "whole": whole,
+            "tp_local": tp_local, "tp_whole": tp_whole,
             "stage_params": [sum(p.numel() for p in s.parameters()) for s in stages] if stages else None}
 
 

@@ -72,7 +72,8 @@ over two devices, the split pipelined); every other layout is covered by the sma
 
 
 def cells_of(layout: str) -> list[Cell]:
-    models = [m for m in zoo.MODELS if layout in SLOW_LAYOUTS or not zoo.MODELS[m].has(zoo.case.SLOW)]
+    models = [m for m in BY_NAME[layout].models or zoo.MODELS
+              if layout in SLOW_LAYOUTS or not zoo.MODELS[m].has(zoo.case.SLOW)]
     cells = [Cell(model, layout, mb) for model in models for mb in BY_NAME[layout].microbatches]
     if layout in BF16_LAYOUTS:
         cells += [Cell(model, layout, BY_NAME[layout].microbatches[0], "bf16") for model in BF16_MODELS]
@@ -129,6 +130,16 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
         every = set().union(*held)
         if len(held) != 2 or any(set(names) == every or not names for names in held):
             problems.append(f"pipeline ranks hold {len(held)} distinct parameter sets (want 2 stages, each a part)")
+    elif strategy in ("tp", "ddp+tp", "fsdp+tp"):
+        # tensor-sharded weights: 1/tp on each rank, and 1/(dp x tp) under FSDP, which shards the rest too
+        parts = 4 if strategy == "fsdp+tp" else 2
+        for i, w in enumerate(where):
+            if not w["tp_whole"] or w["tp_local"] * parts != w["tp_whole"]:
+                problems.append(f"rank {i} holds {w['tp_local']} of {w['tp_whole']} tensor-sharded elements "
+                                f"(want 1/{parts})")
+            rest_local, rest_whole = w["local"] - w["tp_local"], w["whole"] - w["tp_whole"]
+            if strategy == "fsdp+tp" and not rest_local < rest_whole:
+                problems.append(f"rank {i} holds {rest_local} of {rest_whole} other elements: not sharded")
     elif strategy in ("mp", "ddp+mp"):
         for i, w in enumerate(where):
             if w["stage_params"] is None or len(w["stage_params"]) != 2 or 0 in w["stage_params"]:
@@ -144,8 +155,8 @@ def traced_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
 
 
-HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b"),
-          ("pp-gpipe", "pp-interleaved", "pp-zero-bubble", "ddp+pp"))
+HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b", "ddp+tp"),
+          ("pp-gpipe", "pp-interleaved", "pp-zero-bubble", "ddp+pp", "tp", "fsdp+tp"))
 """The columns in two halves of about equal time, one class each, so that `pytest -n N --dist loadscope` (make
 test) runs them on two workers side by side."""
 assert sorted(HALVES[0] + HALVES[1]) == sorted(layout.name for layout in LAYOUTS)

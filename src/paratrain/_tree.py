@@ -22,3 +22,15 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
             return mapped
         return type(value)(**mapped) if all(isinstance(k, str) for k in mapped) else type(value)(mapped)
     return value
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested output, in `map_tensors` order."""
+    found: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(keep, value)
+    return found

@@ -30,8 +30,9 @@ BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
 
 @dataclass(kw_only=True)
 class Config:
-    strategy: StrategyName = "auto"
-    """single, dp, ddp, fsdp, mp, pp, ddp+pp or ddp+mp; "auto" is single for one process, ddp for several."""
+    strategy: StrategyName | str = "auto"
+    """single, dp, ddp, fsdp, mp, pp, ddp+pp or ddp+mp, or an N-D set such as "fsdp+tp" (any '+'-joined set of
+    ddp, fsdp, tp, pp; parallel/dims.py); "auto" is single for one process, ddp for several."""
     precision: Precision = "32"
     """"32", "bf16" (autocast) or "16" (autocast with a GradScaler)."""
     accelerator: Accelerator = "auto"
@@ -89,6 +90,14 @@ class Config:
     """Virtual pipeline stages per worker (interleaved and zero-bubble schedules)."""
     pp_size: int | None = None
     """Pipeline stages in a hybrid ddp+pp mesh (default: world size for pp, 2 for ddp+pp)."""
+    tp_size: int | None = None
+    """Tensor-parallel ranks of an N-D strategy such as "fsdp+tp" (default: 2 beside a data-parallel axis,
+    the whole world for "tp" alone). See parallel/dims.py."""
+    dp_replicate: int | None = None
+    """Replicas of hybrid sharding ("ddp+fsdp"): FSDP shards within each, DDP-style averaging across (default 2)."""
+    tp_plan: dict[str, str] | None = None
+    """Module name patterns -> "colwise"/"rowwise" for tensor parallelism (default: the model's own plan, e.g.
+    a Hugging Face config's base_model_tp_plan, else its attention and MLP blocks found by structure)."""
 
 
 def check_choice(kind: str, value: Any, literal: Any) -> None:
@@ -104,14 +113,23 @@ def _positive(name: str, value: int | float | None, minimum: int = 1) -> None:
 
 def validate(cfg: Config) -> Config:
     """Every value and combination the options alone can get wrong, checked once, each error with its fix."""
-    check_choice("strategy", cfg.strategy, StrategyName)
+    if cfg.strategy not in get_args(StrategyName) and "+" not in cfg.strategy and cfg.strategy != "tp":
+        check_choice("strategy", cfg.strategy, StrategyName)
+    elif cfg.strategy not in get_args(StrategyName):
+        from .parallel.dims import parse
+
+        parse(cfg.strategy)  # an N-D strategy: the grammar's words, each once
+    if cfg.tp_plan is not None and (not isinstance(cfg.tp_plan, dict) or not cfg.tp_plan):
+        raise ParatrainError(f"tp_plan must map module name patterns to 'colwise' or 'rowwise', e.g. "
+                             f"{{'blocks.*.attn.q': 'colwise'}}, got {cfg.tp_plan!r}")
     check_choice("precision", cfg.precision, Precision)
     check_choice("accelerator", cfg.accelerator, Accelerator)
     check_choice("schedule", cfg.schedule, Schedule)
     check_choice("batchnorm", cfg.batchnorm, BatchNormMode)
     if cfg.comm_hook is not None:
         check_choice("comm_hook", cfg.comm_hook, CommHook)
-    for name in ("grad_accum", "keep_last", "devices_per_worker", "stages_per_worker", "pp_size"):
+    for name in ("grad_accum", "keep_last", "devices_per_worker", "stages_per_worker", "pp_size", "tp_size",
+                 "dp_replicate"):
         _positive(name, getattr(cfg, name))
     if cfg.timeout_s is not None and cfg.timeout_s <= 0:
         raise ParatrainError(f"timeout_s must be positive, got {cfg.timeout_s}")

@@ -1,0 +1,139 @@
+"""Degrees of parallelism as data: one `ParallelDims` per run, validated once, building one named mesh.
+
+A strategy string is a grammar: any `+`-joined set of `ddp` (replicas), `fsdp` (shards), `tp` (tensor) and
+`pp` (pipeline). Degrees come from `tp_size`, `pp_size` and `dp_replicate`; the data-parallel axes take the
+rest of the world. Ranks are laid out with the pipeline outermost and the tensor axis innermost (tensor-parallel
+ranks talk every layer, so they are neighbours, on one node), as torchtitan's `ParallelDims` does:
+
+    world 8 = pp 2 x dp_shard 2 x tp 2      rank = ((pp * dp_replicate + r) * dp_shard + s) * tp + t
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ParatrainError
+
+AXES = ("ddp", "fsdp", "tp", "pp")
+"""The words of the grammar, in the order a canonical name lists them."""
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Mesh dimensions, outermost first."""
+
+DEFAULT_SPLIT = 2
+"""Degree of `tp` or `pp` when it is not given and another axis takes the rest of the world."""
+
+
+def parse(name: str) -> tuple[str, ...]:
+    """The axes a strategy name asks for, in canonical order; refuses unknown or repeated words."""
+    words = [w.strip() for w in name.split("+")]
+    unknown = [w for w in words if w not in AXES]
+    if unknown or len(set(words)) != len(words) or not words:
+        raise ParatrainError(
+            f"strategy {name!r}: an N-D strategy is a '+'-joined set of {', '.join(AXES)} with each word once "
+            f"(e.g. 'fsdp+tp', 'ddp+fsdp', 'fsdp+tp+pp'){'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+    return tuple(a for a in AXES if a in words)
+
+
+def canonical(name: str) -> str:
+    return "+".join(parse(name))
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    """Context parallelism: reserved (a degree above 1 is refused until it is built)."""
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the model: each loads its own share of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def describe(self) -> str:
+        return " x ".join(f"{k} {v}" for k, v in self.sizes().items() if v > 1) or "one worker"
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where `rank` sits on each mesh dimension (the tensor axis innermost)."""
+        coords: dict[str, int] = {}
+        for axis in reversed(MESH_ORDER):
+            size = self.sizes()[axis]
+            coords[axis] = rank % size
+            rank //= size
+        return coords
+
+    def data_shard(self, rank: int) -> tuple[int, int]:
+        """(replica index, replica count): tensor- and pipeline-parallel ranks of one replica load the same rows."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"], self.dp
+
+    def build_mesh(self, device_type: str) -> Any:
+        """One DeviceMesh over the whole world, with a named dimension per axis (size-1 axes included, so code
+        can always ask for `mesh["tp"]`)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sizes = self.sizes()
+        return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+
+
+def dims_for(name: str, world: int, *, tp_size: int | None = None, pp_size: int | None = None,
+             dp_replicate: int | None = None) -> ParallelDims:
+    """The degrees `name` asks for on `world` workers, or a refusal with every factor and the fix."""
+    axes = parse(name)
+    data = [a for a in axes if a in ("ddp", "fsdp")]
+    for flag, value, axis in (("tp_size", tp_size, "tp"), ("pp_size", pp_size, "pp")):
+        if value is not None and value > 1 and axis not in axes:
+            raise ParatrainError(f"strategy {name!r} has no {axis} axis but {flag}={value}; "
+                                 f"use strategy '{canonical(name + '+' + axis)}' or drop {flag}")
+    if dp_replicate is not None and dp_replicate > 1 and axes != ("ddp",) and set(data) != {"ddp", "fsdp"}:
+        raise ParatrainError(f"dp_replicate={dp_replicate} sets the replicas of hybrid sharding: use strategy "
+                             f"'{canonical('+'.join(['ddp', 'fsdp', *[a for a in axes if a not in data]]))}'")
+    tp = tp_size or (1 if "tp" not in axes else None)
+    pp = pp_size or (1 if "pp" not in axes else None)
+    if tp is None and pp is None:
+        pp = DEFAULT_SPLIT
+    rest = world // ((tp or 1) * (pp or 1))
+    if tp is None:
+        tp = DEFAULT_SPLIT if data else rest
+    if pp is None:
+        pp = DEFAULT_SPLIT if data else rest
+    model = tp * pp
+    if world % model:
+        raise ParatrainError(
+            f"strategy {name!r}: world {world} is not a multiple of tp {tp} x pp {pp} = {model}; launch a multiple "
+            f"of {model} workers, or choose tp_size/pp_size that divide {world}")
+    dp = world // model
+    replicate, shard = 1, 1
+    if data == ["ddp"]:
+        replicate = dp
+    elif data == ["fsdp"]:
+        shard = dp
+    elif data:
+        replicate = dp_replicate or DEFAULT_SPLIT
+        if dp % replicate:
+            raise ParatrainError(
+                f"strategy {name!r}: {dp} data-parallel workers (world {world} / tp {tp} / pp {pp}) cannot form "
+                f"{replicate} replicas of equal shard groups; use a dp_replicate that divides {dp}")
+        shard = dp // replicate
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp, pp=pp)
+    degrees = {"ddp": replicate, "fsdp": shard, "tp": tp, "pp": pp}
+    lone = [a for a in axes if degrees[a] < 2]
+    if lone or dp > 1 and not data:
+        got = (f"{', '.join(f'{a} {degrees[a]}' for a in lone)} leaves that axis idle" if lone
+               else f"tp {tp} x pp {pp} = {model} covers only part of world {world}")
+        raise ParatrainError(
+            f"strategy {name!r} on world {world}: {got} ({dims.describe()}); every named axis needs a degree of at "
+            f"least 2 and the degrees must multiply to the world: launch more workers, change tp_size/pp_size, "
+            f"or name fewer axes")
+    return dims

@@ -1,0 +1,95 @@
+"""Degrees as data (parallel/dims.py) and tensor-parallel plans (parallel/tensor/plan.py): pure logic, one
+process. The N-D layouts train in the correctness matrix (tp, fsdp+tp, ddp+tp columns)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from torch import nn
+
+from paratrain import ParatrainError, strategies
+from paratrain.config import Config, validate
+from paratrain.parallel.dims import ParallelDims, canonical, dims_for
+from paratrain.parallel.tensor.plan import check_plan, describe, find_plan
+
+
+@pytest.mark.parametrize(("name", "world", "sizes", "want"), [
+    ("fsdp+tp", 4, {}, ParallelDims(dp_shard=2, tp=2)),
+    ("tp+fsdp", 8, {"tp_size": 4}, ParallelDims(dp_shard=2, tp=4)),
+    ("ddp+tp", 4, {}, ParallelDims(dp_replicate=2, tp=2)),
+    ("tp", 4, {}, ParallelDims(tp=4)),
+    ("ddp+fsdp", 8, {}, ParallelDims(dp_replicate=2, dp_shard=4)),
+    ("ddp+fsdp", 8, {"dp_replicate": 4}, ParallelDims(dp_replicate=4, dp_shard=2)),
+    ("fsdp+tp+pp", 8, {}, ParallelDims(dp_shard=2, tp=2, pp=2)),
+    ("tp+pp", 4, {}, ParallelDims(tp=2, pp=2)),
+    ("ddp+pp", 4, {}, ParallelDims(dp_replicate=2, pp=2)),
+])
+def test_degrees_follow_the_grammar_and_fill_the_world(name: str, world: int, sizes: dict, want: ParallelDims) -> None:
+    dims = dims_for(name, world, **sizes)
+    assert dims == want and dims.world == world
+
+
+@pytest.mark.parametrize(("name", "world", "sizes", "said"), [
+    ("fsdp+tp", 6, {"tp_size": 4}, "world 6 is not a multiple of tp 4 x pp 1 = 4"),
+    ("fsdp+tp", 2, {"tp_size": 2}, "fsdp 1 leaves that axis idle"),
+    ("tp", 4, {"tp_size": 2}, "tp 2 x pp 1 = 2 covers only part of world 4"),
+    ("fsdp", 4, {"tp_size": 2}, "use strategy 'fsdp+tp'"),
+    ("fsdp+tp", 4, {"dp_replicate": 2}, "use strategy 'ddp+fsdp+tp'"),
+    ("ddp+fsdp", 6, {"dp_replicate": 4}, "use a dp_replicate that divides 6"),
+    ("fsdp+zp", 4, {}, "unknown: zp"),
+    ("tp+tp", 4, {}, "each word once"),
+])
+def test_impossible_degrees_are_refused_with_the_arithmetic(name: str, world: int, sizes: dict, said: str) -> None:
+    with pytest.raises(ParatrainError, match=None) as err:
+        dims_for(name, world, **sizes)
+    assert said in str(err.value)
+
+
+def test_ranks_lie_tensor_innermost_and_replicas_load_their_own_rows() -> None:
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2)
+    assert [dims.coordinates(r)["tp"] for r in range(8)] == [0, 1] * 4
+    assert [dims.data_shard(r) for r in range(8)] == [(0, 4), (0, 4), (1, 4), (1, 4), (2, 4), (2, 4), (3, 4), (3, 4)]
+
+
+def test_strategy_names_are_presets_or_n_d() -> None:
+    assert strategies.get("pp+ddp").name == "ddp+pp"  # a preset's words in another order are the preset
+    assert strategies.get("tp+fsdp").name == "fsdp+tp" == canonical("tp+fsdp")
+    assert validate(Config(strategy="fsdp+tp", tp_size=2)).tp_size == 2
+    with pytest.raises(ParatrainError, match="unknown strategy|not one of|did you mean"):
+        validate(Config(strategy="fdsp"))
+
+
+def test_plans_come_from_the_config_the_structure_or_the_user() -> None:
+    llama = zoo.MODELS["hf_llama"].build(0)
+    plan, source = find_plan(llama, None)
+    assert "base_model_tp_plan" in source
+    assert plan["model.layers.1.self_attn.q_proj"] == "colwise" and plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    mine = zoo.MODELS["llama"].build(0)
+    plan, source = find_plan(mine, None)
+    assert source == "the model's structure"
+    assert {plan[f"blocks.0.attn.{n}"] for n in ("wq", "wk", "wv")} == {"colwise"}
+    assert plan["blocks.0.attn.wo"] == "rowwise" and plan["blocks.1.mlp.down"] == "rowwise"
+    assert "blocks.*.attn.wq colwise" in describe(plan, source, 2)
+    plan, source = find_plan(mine, {"blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"})
+    assert source == "tp_plan" and sorted(plan) == ["blocks.0.mlp.down", "blocks.0.mlp.up", "blocks.1.mlp.down",
+                                                    "blocks.1.mlp.up"]
+
+
+def test_plans_that_cannot_be_right_are_refused_by_name() -> None:
+    with pytest.raises(ParatrainError, match=r"blocks\.0\.attn\.qkv is a fused projection"):
+        find_plan(zoo.MODELS["gpt"].build(0), None)
+    with pytest.raises(ParatrainError, match="matches no module.*its Linear layers: 0, 2"):
+        find_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), {"blocks.*.q": "colwise"})
+    with pytest.raises(ParatrainError, match="style 'sequence'"):
+        find_plan(nn.Sequential(nn.Linear(4, 8)), {"0": "sequence"})
+    mine = zoo.MODELS["llama"].build(0)
+    plan, _ = find_plan(mine, None)
+    with pytest.raises(ParatrainError, match=r"blocks\.0\.attn\.wq \(colwise\) has 32 output features, which 3"):
+        check_plan(mine, plan, 3)
+    cnn = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    with pytest.raises(ParatrainError, match=r"BatchNorm \(1\)"):
+        check_plan(cnn, {"0": "colwise"}, 2)
+    with pytest.raises(ParatrainError, match="found no attention or MLP blocks"):
+        find_plan(nn.Sequential(nn.Conv2d(3, 4, 3)), None)
+    assert torch.is_tensor(mine.blocks[0].attn.wq.weight)
