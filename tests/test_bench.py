@@ -398,12 +398,13 @@ def _env(path: Path) -> dict[str, str]:
 
 @pytest.mark.procs
 def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
-    """The tiny gpt on single, ddp and pp (2 micro-batches), 2 CPU workers: valid results.json with the
+    """The tiny gpt on single, ddp, pp (2 micro-batches) and tp, 2 CPU workers: valid results.json with the
     counted FLOPs and each worker's measured peak; every ok run has tokens/s and an MFU in (0, 1]; the
-    references and the data-parallel runs are ok; paratrain's pp is ok or carries its reason. (torch-pipeline,
+    references, the data-parallel and the tensor-parallel runs are ok (tp trains the same steps as ddp: the same
+    final loss); paratrain's pp is ok or carries its reason. (torch-pipeline,
     beside mp, runs the same hand cut in one process; test_hand_cut_gpt_keeps_the_tied_weight_exact covers it.)"""
     out = tmp_path / "bench"
-    proc = paratrain("bench", "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp",
+    proc = paratrain("bench", "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp,tp",
                      "--workers", "2", "--microbatches", "2", "--steps", "2", "--repeat", "1", "--warmup", "0",
                      "--timeout", "150", "--out", str(out), timeout=240)
     results = json.loads((out / "results.json").read_text())
@@ -416,7 +417,10 @@ def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
     assert peak["dtype"] == "fp32" and len(peak["per_worker"]) == 2 and peak["flops_per_s"] > 0
     runs = {(r["strategy"], r["workers"], r["microbatches"]): r for r in results["runs"]}
     assert set(runs) == {("single", 1, None), ("ddp", 2, None), ("torch-ddp", 2, None), ("no-comm", 2, None),
-                         ("pp", 2, 2), ("torch-pipelining", 2, 2)}
+                         ("pp", 2, 2), ("torch-pipelining", 2, 2), ("tp", 2, None), ("torch-tp", 2, None)}
+    tp, ddp = runs[("tp", 2, None)], runs[("ddp", 2, None)]
+    assert tp["status"] == runs[("torch-tp", 2, None)]["status"] == "ok", tp
+    assert tp["reference"] == "torch-tp" and tp["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5)
     for key, run in runs.items():
         if run["status"] == "ok":
             assert run["tokens_per_s"] > 0 and 0 < run["mfu"] <= 1, run

@@ -84,8 +84,12 @@ class Config:
     schedule: Schedule = "1f1b"
     """Pipeline schedule for "pp" and "ddp+pp"; "auto" measures the schedules that run this layout (1f1b,
     zero-bubble, gpipe with one stage per worker; interleaved ones with several) with the micro-batch search."""
-    balance: list[int] | BalanceMode = "time"
-    """Layers per stage, or "time"/"memory"/"equal" to balance automatically."""
+    balance: list[int] | list[str] | BalanceMode = "time"
+    """Layers per stage, or "time"/"memory"/"equal" to balance automatically (`split_points` becomes a list of
+    module names here)."""
+    split_points: list[str] | None = None
+    """Pipeline cuts by name, torchtitan's form: split_points=["layer3"] starts a new stage at the first layer
+    named layer3 or inside it (the tutorials' ResNet split); one name fewer than there are stages."""
     stages_per_worker: int = 1
     """Virtual pipeline stages per worker (interleaved and zero-bubble schedules)."""
     pp_size: int | None = None
@@ -143,8 +147,19 @@ def validate(cfg: Config) -> Config:
         raise ParatrainError(f"progress must be True, False or None (on a terminal only), got {cfg.progress!r}")
     if cfg.microbatches != "auto" and (not isinstance(cfg.microbatches, int) or cfg.microbatches < 1):
         raise ParatrainError(f"microbatches must be a positive int or 'auto', got {cfg.microbatches!r}")
+    if cfg.split_points is not None:
+        if not isinstance(cfg.split_points, list) or not cfg.split_points or any(
+                not isinstance(n, str) or not n for n in cfg.split_points):
+            raise ParatrainError(f"split_points must list module names to cut before, e.g. ['layer3'], "
+                                 f"got {cfg.split_points!r}")
+        if not isinstance(cfg.balance, str) or cfg.balance != "time":
+            raise ParatrainError(f"give either split_points={cfg.split_points!r} or balance={cfg.balance!r}, "
+                                 "not both: both say where the stages start")
+        cfg.balance = list(cfg.split_points)
     if isinstance(cfg.balance, str):
         check_choice("balance", cfg.balance, BalanceMode)
+    elif cfg.balance and all(isinstance(b, str) for b in cfg.balance):
+        pass  # cuts by name, resolved against the model's layers when it is split
     elif not cfg.balance or any(not isinstance(b, int) or b < 1 for b in cfg.balance):
         raise ParatrainError(f"balance {cfg.balance!r} must list at least one layer per stage, e.g. [3, 2], "
                              "or be one of 'time', 'memory', 'equal'")

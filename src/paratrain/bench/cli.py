@@ -19,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                        help="your model: factory(batch_size) -> (model, inputs, targets[, loss_fn])")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help=f"comma-separated, from single,dp,ddp,mp,pp,ddp+pp (default {DEFAULT_STRATEGIES}); "
-                        "single always runs, as the baseline")
+                   help=f"comma-separated, from single,dp,ddp,mp,pp,ddp+pp and N-D layouts such as "
+                        f"tp,fsdp+tp,ddp+tp (default {DEFAULT_STRATEGIES}); single always runs, as the baseline")
     p.add_argument("--workers", default=None, help="workers for ddp/pp/ddp+pp, e.g. 2 or 2,4 (default: GPUs, or 2)")
     p.add_argument("--microbatches", default="auto", help="auto (1,2,4,8 where they divide the batch) or e.g. 2,4,8")
     p.add_argument("--schedule", default="1f1b",

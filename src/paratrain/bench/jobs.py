@@ -24,7 +24,10 @@ from ..runtime import Placement, check_nproc
 from ..strategies.base import Context, Strategy
 
 BENCH_STRATEGIES = ("single", "dp", "ddp", "fsdp", "mp", "pp", "ddp+pp")
-REFERENCE = {"ddp": "torch-ddp", "mp": "torch-pipeline", "pp": "torch-pipelining"}
+N_D_STRATEGIES = ("tp", "fsdp+tp", "ddp+tp", "ddp+fsdp")
+"""N-D layouts the bench offers by name (any other name of the grammar is accepted too)."""
+REFERENCE = {"ddp": "torch-ddp", "mp": "torch-pipeline", "pp": "torch-pipelining", "tp": "torch-tp",
+             "fsdp+tp": "torch-fsdp-tp"}
 """The hand-written PyTorch each paratrain strategy is compared with, on the same workers."""
 REFERENCE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules the hand-written torch-pipelining reference is written for."""
@@ -107,13 +110,18 @@ class JobList:
 
 def parse_strategies(text: str) -> list[str]:
     """The requested strategies in a fixed order, with `single` always first: every speedup is over it."""
+    from ..parallel.dims import canonical
+
     names = [s.strip() for s in text.split(",") if s.strip()]
-    for name in names:
-        if name not in BENCH_STRATEGIES:
-            raise unknown_name("strategy for bench", name, BENCH_STRATEGIES)
+    for i, name in enumerate(names):
+        if name not in BENCH_STRATEGIES and ("+" in name or name == "tp"):
+            names[i] = canonical(name)  # an N-D layout from the grammar (a preset's words in any order: the preset)
+        elif name not in BENCH_STRATEGIES:
+            raise unknown_name("strategy for bench", name, (*BENCH_STRATEGIES, *N_D_STRATEGIES))
     if not names:
-        raise ParatrainError(f"--strategies is empty; give some of {','.join(BENCH_STRATEGIES)}")
-    return sorted({"single", *names}, key=BENCH_STRATEGIES.index)
+        raise ParatrainError(f"--strategies is empty; give some of {','.join(BENCH_STRATEGIES + N_D_STRATEGIES)}")
+    presets = sorted({"single", *(n for n in names if n in BENCH_STRATEGIES)}, key=BENCH_STRATEGIES.index)
+    return presets + list(dict.fromkeys(n for n in names if n not in BENCH_STRATEGIES))
 
 
 def parse_counts(text: str, flag: str) -> list[int]:

@@ -6,6 +6,8 @@
   next chunk overlapping stage 2's current one), for any model cut in two, in one process.
 - `torch-pipelining`: `torch.distributed.pipelining` used directly: one `PipelineStage` per rank and
   `ScheduleGPipe` / `Schedule1F1B`.
+- `torch-tp`, `torch-fsdp-tp`: DTensor tensor parallelism as torchtitan writes it (`parallelize_module` with
+  the workload's plan; `fully_shard` per block and at the root over the data-parallel mesh dimension).
 - `no-comm`: not a strategy but the machine's ceiling: the torch-ddp loop without DDP, so each worker
   computes its share and nothing is exchanged.
 
@@ -161,6 +163,33 @@ def no_comm(spec: Spec, workload: Workload, data: Batch, settings: Settings, dev
     return _loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
 
 
+def torch_tensor_parallel(spec: Spec, workload: Workload, data: Batch, settings: Settings,
+                          device: torch.device) -> Step:
+    """torchtitan's way, written out: a (dp, tp) DeviceMesh, `parallelize_module` with the workload's plan,
+    then `fully_shard` on each block and the root over "dp" (torch-fsdp-tp, tp 2) or nothing (torch-tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not workload.tp_plan:
+        raise ParatrainError(f"workload {workload.name!r} names no tensor-parallel plan")
+    world = dist.get_world_size()
+    tp = world if spec.strategy == "torch-tp" else 2
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    model = _model(workload, settings).to(device)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in workload.tp_plan.items()})
+    if world // tp > 1:
+        for block in getattr(model, "blocks", []):
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    dp_rank, share = mesh.get_local_rank("dp"), settings.batch // (world // tp)
+    inputs = _inputs(data[0][dp_rank * share:(dp_rank + 1) * share], device, settings)
+    labels = data[1][dp_rank * share:(dp_rank + 1) * share].to(device)
+    optimizer = optim.SGD(model.parameters(), lr=workload.lr)
+    return _loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
+
+
 class PipelineParallel(nn.Module):
     """The tutorials' `PipelineParallelResNet50.forward`, with their `seq1`/`seq2` given."""
 
@@ -257,5 +286,5 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
 
 BUILDERS: dict[str, Callable[[Spec, Workload, Batch, Settings, torch.device], Step]] = {
     "torch-ddp": torch_ddp, "torch-pipeline": torch_pipeline, "torch-pipelining": torch_pipelining,
-    "no-comm": no_comm,
+    "no-comm": no_comm, "torch-tp": torch_tensor_parallel, "torch-fsdp-tp": torch_tensor_parallel,
 }

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from .jobs import BENCH_STRATEGIES, CEILING, REFERENCE, Spec
+from .jobs import BENCH_STRATEGIES, CEILING, N_D_STRATEGIES, REFERENCE, Spec
 
 SCHEMA = "paratrain-bench/3"
 OLDER = ("paratrain-bench/1", "paratrain-bench/2")
 """Versions `from_json` still reads (their missing fields are null)."""
 STATUSES = ("ok", "not-applicable", "failed")
-STRATEGIES = (*BENCH_STRATEGIES, *REFERENCE.values(), CEILING)
+STRATEGIES = (*BENCH_STRATEGIES, *N_D_STRATEGIES, *REFERENCE.values(), CEILING)
 PIPELINED = ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
 SCHEDULED = ("pp", "ddp+pp", "torch-pipelining")
 
@@ -233,7 +233,7 @@ def _run_problems(run: dict[str, Any], tokens: bool, mfu: bool) -> list[str]:
     out = [f"missing key {k!r}" for k in RUN_KEYS if k not in run]
     if out:
         return out
-    if run["strategy"] not in STRATEGIES:
+    if run["strategy"] not in STRATEGIES and "+" not in run["strategy"]:  # other N-D names of the grammar
         out.append(f"unknown strategy {run['strategy']!r}")
     if run["status"] not in STATUSES:
         out.append(f"status {run['status']!r} not in {STATUSES}")

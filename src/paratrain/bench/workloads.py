@@ -48,6 +48,9 @@ class Workload:
     children of the nn.Sequential)."""
     tokens: int | None = None
     """Tokens per sample, for workloads that train on token sequences (tokens/s is reported for them)."""
+    tp_plan: dict[str, str] | None = None
+    """The Linear layers tensor-parallel layouts shard ("colwise"/"rowwise"), the same for paratrain and the
+    hand-written reference; None: tensor-parallel layouts do not apply to this workload."""
 
 
 def _generator(seed: int = 1) -> torch.Generator:
@@ -87,9 +90,12 @@ def mlp(width: int = 512, depth: int = 8, batch: int = 2048, name: str = "mlp") 
         return nn.Sequential(*layers)
 
     bound = "compute-bound" if name == "mlp" else "gradient exchange dominates"
+    # Megatron's pairs: Linear 2i colwise, Linear 2i+1 rowwise (children 4i and 4i+2; ReLU acts per feature)
+    pairs = {str(4 * i + 2 * j): ("colwise", "rowwise")[j] for i in range(depth // 2) for j in (0, 1)}
     return Workload(
         name=name, description=f"{depth} x Linear({width}, {width}) + ReLU, MSE on random targets; {bound}",
         model=model, data=lambda b: _regression(b, (width,), width), batch=batch, steps=5, repeat=3, warmup=2,
+        tp_plan=pairs,
     )
 
 
@@ -160,6 +166,8 @@ def gpt(size: str | None = None, gpu: bool = False) -> Workload:
         model=lambda: gpt_model.GPT(cfg), data=lambda b: gpt_model.tokens(b, cfg), loss=gpt_model.NextTokenLoss,
         batch=8, steps=5, repeat=5 if gpu else 3, warmup=2,
         split=1 + cfg.layers // 2, layers=layers, tokens=cfg.seq,
+        # the MLPs; attention's fused qkv (nanoGPT's layout) is refused by tensor parallelism, so it stays whole
+        tp_plan={"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
     )
 
 

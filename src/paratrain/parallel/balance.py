@@ -140,6 +140,30 @@ def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:
     return out
 
 
+def _names(layers: Sequence[Layer]) -> str:
+    return ", ".join(name for name, _ in layers)
+
+
+def cut_by_name(points: Sequence[str], layers: Sequence[Layer], stages: int) -> list[int]:
+    """Layers per stage when each name in `points` starts a stage: the first layer that is that module or lies
+    inside it (a traced model's layers are named `layer3.0`, `layer3.1`, ...)."""
+    if len(points) + 1 != stages:
+        raise ParatrainError(f"split_points {list(points)} make {len(points) + 1} stages, but there are {stages}")
+    names = [name for name, _ in layers]
+    starts = [0]
+    for point in points:
+        at = next((i for i, name in enumerate(names) if name == point or name.startswith(f"{point}.")), None)
+        if at is None:
+            raise ParatrainError(f"split_points: no layer is named {point!r} or lies inside it; the model's "
+                                 f"{len(names)} layers: {_names(layers)}")
+        if at <= starts[-1]:
+            raise ParatrainError(f"split_points {list(points)}: {point!r} (layer {at}, {names[at]}) does not come "
+                                 f"after the previous cut (layer {starts[-1]}, {names[starts[-1]]}); list the "
+                                 "names in the model's order, each stage at least one layer")
+        starts.append(at)
+    return [b - a for a, b in zip(starts, [*starts[1:], len(names)], strict=True)]
+
+
 def balance_costs(costs: Sequence[LayerCost], mode: str) -> list[float]:
     if mode == "time":
         return [c.seconds for c in costs]
@@ -149,7 +173,7 @@ def balance_costs(costs: Sequence[LayerCost], mode: str) -> list[float]:
 
 
 def choose_balance(
-    requested: Sequence[int] | str, layers: Sequence[Layer], stages: int, sample: Any = None,
+    requested: Sequence[int] | Sequence[str] | str, layers: Sequence[Layer], stages: int, sample: Any = None,
     agree: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[list[int], list[LayerCost] | None]:
     """The balance to use and the measured layer costs (None when nothing was measured).
@@ -160,8 +184,14 @@ def choose_balance(
     n = len(layers)
     if n < stages:
         raise too_few_layers(n, stages)
+    if not isinstance(requested, str) and all(isinstance(r, str) for r in requested):
+        return cut_by_name([str(r) for r in requested], layers, stages), None
     if not isinstance(requested, str):
-        return check_balance(requested, n, stages), None
+        try:
+            return check_balance([int(r) for r in requested], n, stages), None
+        except ParatrainError as exc:
+            raise ParatrainError(f"{exc}. The model's {n} layers, in its own names: {_names(layers)}; or cut by "
+                                 "name: split_points=['NAME'] starts a stage at NAME") from None
     if requested == "equal":
         return equal_balance(n, stages), None
     if requested not in MODES:
@@ -177,7 +207,7 @@ def choose_balance(
     return solve(balance_costs(costs, requested), stages), costs
 
 
-def describe(balance: Sequence[int], costs: Sequence[LayerCost] | None, mode: str | Sequence[int],
+def describe(balance: Sequence[int], costs: Sequence[LayerCost] | None, mode: str | Sequence[int] | Sequence[str],
              names: Sequence[str] = ()) -> str:
     """One line for the log: the balance, what each stage holds in the model's own names, and when
     measured the per-stage times against the equal split."""

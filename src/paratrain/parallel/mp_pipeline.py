@@ -53,7 +53,7 @@ class MPPipeline(nn.Module):
     """The user's model split over `devices`; trains like the model itself (`pipe(x)` -> output)."""
 
     def __init__(self, model: nn.Module, devices: Sequence[torch.device], microbatches: int | str = 1,
-                 balance: Sequence[int] | str = "time", example: Any = None, *, strategy: str = "mp",
+                 balance: Sequence[int] | Sequence[str] | str = "time", example: Any = None, *, strategy: str = "mp",
                  verbose: bool = True, agree: Callable[[list[float]], list[float]] | None = None,
                  batchnorm: str = "exact") -> None:
         """`agree` makes processes that each hold a replica (ddp+mp) measure, and so split, identically."""
@@ -67,7 +67,7 @@ class MPPipeline(nn.Module):
         self.deferred_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
         self._build(balance, example, agree)
 
-    def _build(self, requested: Sequence[int] | str, sample: Any,
+    def _build(self, requested: Sequence[int] | Sequence[str] | str, sample: Any,
                agree: Callable[[list[float]], list[float]] | None) -> None:
         """Split and place the model, measuring layers where they will run when balancing by time."""
         k = len(self.devices)

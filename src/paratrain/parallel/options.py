@@ -14,6 +14,12 @@ from ..errors import ParatrainError
 
 def check_balance_entries(balance: Any, stages: int, where: str) -> None:
     """An explicit balance gives one layer count per stage."""
+    if not isinstance(balance, str) and balance and all(isinstance(b, str) for b in balance):
+        if len(balance) + 1 != stages:
+            raise ParatrainError(
+                f"{where}: split_points {list(balance)} cut the model into {len(balance) + 1} stages but there are "
+                f"{stages}; give {stages - 1} name(s), one before each stage after the first")
+        return
     if not isinstance(balance, str) and len(balance) != stages:
         raise ParatrainError(
             f"{where}: balance {list(balance)} has {len(balance)} entries but there are {stages} stages; "

@@ -100,8 +100,8 @@ class PipelineModule(nn.Module):
     rank's summed micro-batch losses (last stage) or None (other stages)."""
 
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
-                 device: torch.device, microbatches: int | str, balance: Sequence[int] | str, example: Any,
-                 group: Any = None, strategy: str = "pp", batchnorm: str = "exact") -> None:
+                 device: torch.device, microbatches: int | str, balance: Sequence[int] | Sequence[str] | str,
+                 example: Any, group: Any = None, strategy: str = "pp", batchnorm: str = "exact") -> None:
         super().__init__()
         check_layout(schedule, pp, per_worker, microbatches)
         self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
@@ -123,7 +123,7 @@ class PipelineModule(nn.Module):
         self._registered = nn.ModuleList(self.local)
 
     # -- splitting --------------------------------------------------------------------------------
-    def _split(self, model: nn.Module, requested: Sequence[int] | str, example: Any) -> list[Stage]:
+    def _split(self, model: nn.Module, requested: Sequence[int] | Sequence[str] | str, example: Any) -> list[Stage]:
         measured = isinstance(requested, str) and requested in ("time", "memory")
         if example is None and (measured or not isinstance(model, nn.Sequential)):
             why = (f"balance={requested!r} measures the layers" if measured
