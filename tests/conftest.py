@@ -18,6 +18,12 @@ from pathlib import Path
 if not os.environ.get("PARATRAIN_TEST_GPU"):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# One thread per process, as every worker runs: the references computed in the test process then add in the
+# same order whatever ran before them (a bf16 reference on 2 threads differs from 1 thread by 3e-3, so a test
+# passed or failed by which earlier test had set torch's thread count), and 2 test processes on 2 cores do
+# not oversubscribe them. The environment variable reaches commands the tests start, read before torch.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 # `paratrain.launch` workers fork from one warm template per test run (paratrain/launcher/_zygote.py), so a
 # multi-process test pays torch's import once, not per worker. What the template imports is what the tests'
 # workers import lazily (DDP imports torch._dynamo; the zoo builds transformers and torchvision models).
@@ -36,7 +42,10 @@ if "PARATRAIN_TEST_TRACE_CACHE" not in os.environ:
     os.environ["PARATRAIN_TEST_TRACE_CACHE"] = _TRACES.name
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+torch.set_num_threads(1)  # torch may have been imported (by a plugin) before the variable above was set
 
 from paratrain.launcher._zygote import template_pids  # noqa: E402
 
