@@ -76,10 +76,10 @@ def _gone(pid: int, within: float) -> bool:
 
 
 @contextlib.contextmanager
-def _client(tmp: Path, code: str) -> Iterator[tuple[subprocess.Popen[str], int, _warm_run.WarmRun]]:
-    """A template and one client running `code`, which prints its pid first; both ended on the way out."""
+def _client(tmp: Path, code: str, ready: str = "") -> Iterator[tuple[subprocess.Popen[str], int, _warm_run.WarmRun]]:
+    """A template and one client running `ready`, then printing its pid, then `code`; both ended on the way out."""
     script = tmp / "job.py"
-    script.write_text(f"import os\nprint(os.getpid(), flush=True)\n{code}")
+    script.write_text(f"import os\n{ready}print(os.getpid(), flush=True)\n{code}")
     warm = _warm_run.WarmRun(("json",))
     env = {**os.environ, _warm_run.SOCKET_VARIABLE: warm.path}
     client = subprocess.Popen([sys.executable, "-u", _warm_run.CLIENT, str(script)], env=env,
@@ -106,12 +106,11 @@ def test_a_worker_ends_with_its_client_and_the_template_with_the_agent(tmp_path:
 
 @pytest.mark.timeout(60)
 def test_a_signal_to_the_client_reaches_the_worker(tmp_path: Path) -> None:
-    code = ("import signal, sys, time\n"
-            "signal.signal(signal.SIGTERM, lambda *_: (print('saved', flush=True), sys.exit(7)))\n"
-            "time.sleep(600)\n")
-    with _client(tmp_path, code) as (client, _, _):
+    handler = ("import signal, sys, time\n"
+               "signal.signal(signal.SIGTERM, lambda *_: (print('saved', flush=True), sys.exit(7)))\n")
+    with _client(tmp_path, "time.sleep(600)\n", ready=handler) as (client, _, _):
         os.killpg(client.pid, signal.SIGTERM)  # as torchrun's agent ends a worker
-        assert client.wait(20) == 7
+        assert client.wait(60) == 7
         assert client.stdout is not None and client.stdout.read().strip() == "saved"
 
 

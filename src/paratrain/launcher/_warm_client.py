@@ -54,13 +54,18 @@ def _exit_like(code: int) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
+    # A signal that arrives before the worker exists (or before we know its pid) waits, then is passed on:
+    # a preemption's SIGTERM must reach the worker's own handler, not end us and, through the lifeline, it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     try:
         sock, pid = _fork_remote(argv)
     except (OSError, ValueError, KeyError) as exc:
         sys.stderr.write(f"paratrain run: no warm worker ({exc}); starting {argv[0]} as a new process\n")
         sys.stderr.flush()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # a new program inherits the mask
         os.execv(sys.executable, [sys.executable, "-u", *argv])
     _forward(pid)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     while True:
         data = sock.recv(1 << 16)
         if not data:
