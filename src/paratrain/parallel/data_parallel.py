@@ -100,10 +100,14 @@ def set_ddp_sync(model: nn.Module, sync: bool) -> None:
 
 def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int) -> None:
     """Mean gradients over a process group: one all-reduce per dtype over a flat copy."""
+    average_in_place([p.grad for p in params if p.grad is not None], group, size)
+
+
+def average_in_place(tensors: Iterable[torch.Tensor], group: Any, size: int) -> None:
+    """Mean of each tensor over a process group, written back into it (one all-reduce per dtype)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

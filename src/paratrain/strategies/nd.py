@@ -21,7 +21,7 @@ from torch import nn
 from .._tree import map_tensors, tensors_in
 from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
-from ..parallel.data_parallel import average_gradients, evaluate, forward_backward
+from ..parallel.data_parallel import average_in_place, evaluate, forward_backward
 from ..parallel.dims import ParallelDims, canonical, dims_for, parse
 from ..parallel.fsdp import apply_fsdp, set_fsdp_sync
 from .base import Backward, Context, LossFn
@@ -51,20 +51,9 @@ class _Replicas(nn.Module):
         return grad
 
     def average(self) -> None:
-        average_gradients(_local_parameters(self.module), self.group, self.size)
-
-
-def _local_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters as this rank stores them: a DTensor's local shard (its gradient's too)."""
-    out = []
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if p.grad is not None and hasattr(p.grad, "to_local"):
-            local.grad = p.grad.to_local()
-        elif p.grad is not None:
-            local = p
-        out.append(local)
-    return out
+        # a DTensor's gradient is averaged through its local shard, which shares its storage
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        average_in_place([g.to_local() if hasattr(g, "to_local") else g for g in grads], self.group, self.size)
 
 
 class NDStrategy:
