@@ -117,11 +117,11 @@ def _positive(name: str, value: int | float | None, minimum: int = 1) -> None:
 
 def validate(cfg: Config) -> Config:
     """Every value and combination the options alone can get wrong, checked once, each error with its fix."""
-    if cfg.strategy not in get_args(StrategyName) and "+" not in cfg.strategy and cfg.strategy != "tp":
-        check_choice("strategy", cfg.strategy, StrategyName)
-    elif cfg.strategy not in get_args(StrategyName):
-        from .parallel.dims import parse
+    if cfg.strategy not in get_args(StrategyName):
+        from .parallel.dims import is_grammar, parse
 
+        if not is_grammar(cfg.strategy):
+            check_choice("strategy", cfg.strategy, StrategyName)
         parse(cfg.strategy)  # an N-D strategy: the grammar's words, each once
     if cfg.tp_plan is not None and (not isinstance(cfg.tp_plan, dict) or not cfg.tp_plan):
         raise ParatrainError(f"tp_plan must map module name patterns to 'colwise' or 'rowwise', e.g. "

@@ -110,11 +110,11 @@ class JobList:
 
 def parse_strategies(text: str) -> list[str]:
     """The requested strategies in a fixed order, with `single` always first: every speedup is over it."""
-    from ..parallel.dims import canonical
+    from ..parallel.dims import canonical, is_grammar
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     for i, name in enumerate(names):
-        if name not in BENCH_STRATEGIES and ("+" in name or name == "tp"):
+        if name not in BENCH_STRATEGIES and is_grammar(name):
             names[i] = canonical(name)  # an N-D layout from the grammar (a preset's words in any order: the preset)
         elif name not in BENCH_STRATEGIES:
             raise unknown_name("strategy for bench", name, (*BENCH_STRATEGIES, *N_D_STRATEGIES))

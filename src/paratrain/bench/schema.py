@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..parallel.dims import is_grammar
 from .jobs import BENCH_STRATEGIES, CEILING, N_D_STRATEGIES, REFERENCE, Spec
 
 SCHEMA = "paratrain-bench/3"
@@ -233,7 +234,7 @@ def _run_problems(run: dict[str, Any], tokens: bool, mfu: bool) -> list[str]:
     out = [f"missing key {k!r}" for k in RUN_KEYS if k not in run]
     if out:
         return out
-    if run["strategy"] not in STRATEGIES and "+" not in run["strategy"]:  # other N-D names of the grammar
+    if run["strategy"] not in STRATEGIES and not is_grammar(run["strategy"]):  # other N-D names of the grammar
         out.append(f"unknown strategy {run['strategy']!r}")
     if run["status"] not in STATUSES:
         out.append(f"status {run['status']!r} not in {STATUSES}")

@@ -25,6 +25,11 @@ DEFAULT_SPLIT = 2
 """Degree of `tp` or `pp` when it is not given and another axis takes the rest of the world."""
 
 
+def is_grammar(name: str) -> bool:
+    """Whether `name` is for the grammar to read (callers look their preset names up first)."""
+    return "+" in name or name in AXES
+
+
 def parse(name: str) -> tuple[str, ...]:
     """The axes a strategy name asks for, in canonical order; refuses unknown or repeated words."""
     words = [w.strip() for w in name.split("+")]

@@ -19,15 +19,15 @@ TABLE: dict[str, str] = {
 def get(name: str) -> Strategy:
     """A preset by name, or an N-D strategy from the grammar ("fsdp+tp"; a preset's words in another order
     are that preset)."""
-    if name not in TABLE and ("+" in name or name == "tp"):
-        from ..parallel.dims import canonical
+    if name not in TABLE:
+        from ..parallel.dims import canonical, is_grammar
 
+        if not is_grammar(name):
+            raise unknown_name("strategy", name, TABLE)
         name = canonical(name)
         if name not in TABLE:
             nd: Strategy = importlib.import_module(f"{__name__}.nd").NDStrategy(name)
             return nd
-    if name not in TABLE:
-        raise unknown_name("strategy", name, TABLE)
     strategy: Strategy = importlib.import_module(f"{__name__}.{TABLE[name]}").STRATEGY
     return strategy
 
