@@ -207,8 +207,7 @@ def _status(exc: SystemExit) -> int:
 def _main() -> None:
     listener = socket.socket(fileno=int(sys.argv[1]))
     lifeline = int(sys.argv[2])
-    for name in filter(None, sys.argv[3].split(",")):
-        __import__(name)
+    _zygote.load(sys.argv[3])
     request, fds = _serve(listener, lifeline)
     code = 1
     try:
