@@ -310,6 +310,10 @@ def init_process_group(
         dist.init_process_group(init_method="env://", **kwargs)  # type: ignore[arg-type]
     else:
         dist.init_process_group(store=store, rank=placement.rank, world_size=placement.world_size, **kwargs)  # type: ignore[arg-type]
+    # gloo connects every pair during init, but a rank returns once its own pairs answer: one that then
+    # fails fast (a refusal in prepare) and destroys the group can close a pair its peer is still reading
+    # ("connectFullMesh failed ... Connection closed by peer"). Nobody leaves init before everyone has.
+    dist.barrier()
 
 
 def destroy_process_group() -> None:
