@@ -17,7 +17,7 @@ import torch.distributed as dist
 from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
 import paratrain
-from paratrain.bench import workloads
+from paratrain.measure import workloads
 
 REPEATS = 15
 

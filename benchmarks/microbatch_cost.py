@@ -18,7 +18,7 @@ import time
 import torch
 from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
-from paratrain.bench import workloads
+from paratrain.measure import workloads
 
 COUNTS = tuple(int(m) for m in os.environ.get("MICROBATCH_COST_COUNTS", "1,2,4,8,16").split(","))
 REPEATS = int(os.environ.get("MICROBATCH_COST_REPEATS", "7"))  # bench_limits.sh --quick runs 4

@@ -63,7 +63,7 @@ def _data(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _step_times(run: Any, model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, warmup: int,
                 steps: int) -> list[float]:
     """Seconds of each timed step, by the bench's harness (each step's time the slowest rank's)."""
-    from paratrain.bench.timing import time_steps
+    from paratrain.measure.timing import time_steps
 
     def step() -> None:
         run.forward_backward(model, x, y, nn.functional.mse_loss)
@@ -162,7 +162,7 @@ def auto_microbatches(spec: dict[str, Any], rounds: int) -> dict[str, Any]:
 
 def _balances(spec: dict[str, Any]) -> dict[str, Any]:
     """On 2 workers: the same unequal model split by time and by layer count, steps alternating."""
-    from paratrain.parallel.balance import equal_balance, stage_sums
+    from paratrain.parallel.pipeline.balance import equal_balance, stage_sums
 
     torch.set_num_threads(1)
     x, y = _data(spec["batch"], spec["wide"])

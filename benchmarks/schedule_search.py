@@ -19,16 +19,16 @@ import torch
 from _emit import emit  # benchmarks/ is the script's folder, first on sys.path
 
 import paratrain
-from paratrain.bench import workloads
+from paratrain.measure import workloads
 
 ROUNDS = int(os.environ.get("SCHEDULE_SEARCH_ROUNDS", "2"))  # bench_limits.sh --quick runs 1
 
 
 def _compare() -> dict[str, Any]:
-    from paratrain.parallel.pipelining import auto_schedules
+    from paratrain.parallel.pipeline.schedules import auto_names
+    from paratrain.parallel.pipeline.tuning import tune_schedule
     from paratrain.parallel.plan import Plan
     from paratrain.parallel.trial import no_trace
-    from paratrain.parallel.tuning import tune_schedule
 
     torch.set_num_threads(1)
     workload = workloads.get("mlp")
@@ -37,7 +37,7 @@ def _compare() -> dict[str, Any]:
     model = run.prepare(workload.model(), example=x)
     loss_fn = workload.loss()
     run.forward_backward(model, x, y, loss_fn)  # warm up
-    names = auto_schedules(1)
+    names = auto_names(1)
 
     def candidates(name: str) -> list[int]:
         return [m for m in model.candidates(workload.batch, name) if m <= workload.batch // 32]

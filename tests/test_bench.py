@@ -18,8 +18,9 @@ import torch
 from helpers import paratrain
 
 from paratrain import ParatrainError, strategies
-from paratrain.bench import gpt, jobs, mfu, plots, references, report, schema, workloads
+from paratrain.bench import jobs, mfu, plots, references, report, schema
 from paratrain.cli import main as cli_main
+from paratrain.measure import gpt, workloads
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

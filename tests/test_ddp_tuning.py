@@ -1,5 +1,5 @@
-"""`comm_hook="auto"` (parallel/ddp_tuning.py): DDP's exact communication settings chosen by measurement in
-`prepare`, training exactly as one process does; lossy hooks only by name. No timing is asserted: which
+"""`comm_hook="auto"` (parallel/data_parallel/ddp_tuning.py): DDP's exact communication settings chosen by
+measurement in `prepare`, training exactly as one process does; lossy hooks only by name. No timing is asserted: which
 candidate wins depends on the machine, so the tests check that every candidate was measured, that the DDP
 in use was built with the winner's settings, and that the weights match the single-process run."""
 
@@ -12,7 +12,7 @@ import torch
 from pipeline_cases import TOL, caught, make_model, reference, train, weight_error
 
 import paratrain
-from paratrain.parallel import ddp_tuning
+from paratrain.parallel.data_parallel import ddp_tuning
 
 
 def test_candidates_are_exact_settings_sized_to_the_gradients() -> None:

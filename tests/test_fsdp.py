@@ -33,7 +33,7 @@ from torch import nn
 
 import paratrain
 from paratrain.errors import ParatrainError
-from paratrain.parallel.fsdp import apply_fsdp, find_units
+from paratrain.parallel.data_parallel.fsdp import apply_fsdp, find_units
 
 STEPS = 4
 GLOBAL_BATCH = 12

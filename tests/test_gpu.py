@@ -552,7 +552,8 @@ def test_gpt_bench_measures_tokens_per_s_and_mfu(precision: str, tmp_path: Path)
     """`paratrain bench --workload gpt` (GPT-2 small, 8 x 1024 tokens) on this GPU: paratrain's single and ddp
     beside hand-written loops on the same GPU, each with positive tokens/s and an MFU in (0, 1) against the
     datasheet peak in bench/mfu.py. No timing is asserted; the numbers go to PARATRAIN_GPU_RESULTS if set."""
-    from paratrain.bench import gpt, schema
+    from paratrain.bench import schema
+    from paratrain.measure import gpt
 
     out = tmp_path / "bench"
     args = ["bench", "--workload", "gpt", "--gpt-size", "gpt2", "--strategies", "single,ddp", "--workers", "1",

@@ -12,8 +12,8 @@ from helpers import check_job
 from pipeline_cases import LR, TOL, batches, caught, make_model, reference, train, weight_error
 
 import paratrain
-from paratrain.parallel.mp_pipeline import MPPipeline, clock_cycles
-from paratrain.parallel.streams import Copier
+from paratrain.parallel.pipeline.mp_pipeline import MPPipeline, clock_cycles
+from paratrain.parallel.pipeline.streams import Copier
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from pipeline_cases import caught
 from torch import nn
 
 from paratrain.config import Config
-from paratrain.parallel.balance import choose_balance, profile_layers, solve, stage_sums
-from paratrain.parallel.memory import ActivationMeter, in_flight
 from paratrain.parallel.microbatch import check_even, divisors, merge, search, split, sweep
-from paratrain.parallel.partition import check_balance, equal_balance, layers_of, merged, split_into_stages
-from paratrain.parallel.pipelining import stage_indices
+from paratrain.parallel.pipeline.balance import choose_balance, profile_layers, solve, stage_sums
+from paratrain.parallel.pipeline.memory import ActivationMeter, in_flight
+from paratrain.parallel.pipeline.partition import check_balance, equal_balance, layers_of, merged, split_into_stages
+from paratrain.parallel.pipeline.schedules import stage_indices
 from paratrain.runtime import Placement
 from paratrain.strategies import get
 from paratrain.strategies.base import Context

@@ -1,4 +1,4 @@
-"""The planner's simulator on cases with known answers: pipeline schedules from torch's own action lists,
+"""The simulators on cases with known answers: pipeline schedules from torch's own action lists,
 DDP's bucketed all-reduce beside the backward, FSDP's gathers. Pure logic, no processes."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from paratrain.errors import ParatrainError
-from paratrain.planner import schedules as S
+from paratrain.parallel.pipeline import simulate as S
+from paratrain.planner import overlap
 
 
 def _equal(k: int, forward: float = 1.0, backward: float = 2.0, **kw: float) -> list[S.StageCost]:
@@ -99,25 +100,25 @@ def test_a_schedule_torch_refuses_is_refused_with_the_fix() -> None:
 def test_ddp_hides_all_but_the_last_buckets_all_reduce() -> None:
     # 4 layers, 1 s of backward each, 2 MiB of gradients each; first bucket 1 MiB, then 4 MiB buckets.
     mib = 1024**2
-    out = S.ddp_backward([1.0] * 4, [2 * mib] * 4, all_reduce=lambda n: n / mib * 0.1, bucket=4 * mib, first=mib)
+    out = overlap.ddp_backward([1.0] * 4, [2 * mib] * 4, all_reduce=lambda n: n / mib * 0.1, bucket=4 * mib, first=mib)
     # buckets: [layer 3] ready at 1 s, [layers 2, 1] ready at 3 s, [layer 0] ready at 4 s; 0.2-0.4 s each
     assert out.compute == pytest.approx(4.0)
     assert out.comm == pytest.approx(0.2 + 0.4 + 0.2)
     assert out.end == pytest.approx(4.2)
     assert out.exposed == pytest.approx(0.2)
-    serial = S.ddp_backward([1.0] * 4, [2 * mib] * 4, all_reduce=lambda n: n / mib * 0.1, overlap=0.0,
+    serial = overlap.ddp_backward([1.0] * 4, [2 * mib] * 4, all_reduce=lambda n: n / mib * 0.1, overlap=0.0,
                             bucket=4 * mib, first=mib)
     assert serial.end == pytest.approx(4.0 + 0.8)  # nothing hides on a CPU worker
 
 
 def test_fsdp_prefetch_hides_gathers_behind_the_previous_unit() -> None:
     forward, backward, units = [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [1.0, 1.0, 1.0]
-    out = S.fsdp_step(forward, backward, units, all_gather=lambda n: 0.5, reduce_scatter=lambda n: 0.5)
+    out = overlap.fsdp_step(forward, backward, units, all_gather=lambda n: 0.5, reduce_scatter=lambda n: 0.5)
     # Only the first gather waits; the last unit's reduce-scatter runs after the compute has ended.
     assert out.compute == pytest.approx(9.0)
     assert out.comm == pytest.approx(6 * 0.5 + 3 * 0.5)
     assert out.end == pytest.approx(0.5 + 9.0 + 0.5)
-    serial = S.fsdp_step(forward, backward, units, lambda n: 0.5, lambda n: 0.5, overlap=0.0)
+    serial = overlap.fsdp_step(forward, backward, units, lambda n: 0.5, lambda n: 0.5, overlap=0.0)
     assert serial.end == pytest.approx(9.0 + 4.5)
-    quiet = S.fsdp_step(forward, backward, units, lambda n: 0.5, lambda n: 0.5, overlap=0.0, sync=False)
+    quiet = overlap.fsdp_step(forward, backward, units, lambda n: 0.5, lambda n: 0.5, overlap=0.0, sync=False)
     assert quiet.comm == pytest.approx(6 * 0.5)  # no reduce-scatter inside an accumulation window

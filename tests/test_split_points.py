@@ -10,7 +10,7 @@ from torch import nn
 import paratrain
 from paratrain import ParatrainError
 from paratrain.config import Config, validate
-from paratrain.parallel.balance import cut_by_name
+from paratrain.parallel.pipeline.balance import cut_by_name
 
 
 def _resnet() -> nn.Module:

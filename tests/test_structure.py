@@ -32,7 +32,7 @@ def test_one_table_lists_every_strategy_the_config_accepts() -> None:
     for name in STRATEGY_NAMES:
         strategy = strategies.get(name)
         assert strategy.name == name
-        for member in ("needs_process_group", "sharded_state", "microbatched", "scheduled"):
+        for member in ("needs_process_group", "sharded_state", "microbatched", "scheduled", "comm_hooks"):
             assert isinstance(getattr(strategy, member), bool), (name, member)
 
 
@@ -51,3 +51,71 @@ def test_no_forward_hooks_and_no_late_rebinding_in_the_library() -> None:
         text = path.read_text()
         for banned in ("register_forward_pre_hook", "_rebind_later", "getattr(self.strategy, \"sharded_state\""):
             assert banned not in text, f"{path.relative_to(SRC)} uses {banned}"
+
+
+def _imported(path: Path) -> set[str]:
+    """Every paratrain module a file imports, at its top or inside a function, as absolute names."""
+    package = ".".join(path.relative_to(SRC.parent).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            name = ".".join(filter(None, [base, node.module or ""]))
+            out |= {name} | {f"{name}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+    return {name for name in out if name.startswith("paratrain")}
+
+
+@pytest.mark.parametrize("package,other", [("planner", "bench"), ("bench", "planner")])
+def test_bench_and_planner_do_not_import_each_other(package: str, other: str) -> None:
+    """What both need (workloads, the timing harness, the schedule table) lives in measure/ and parallel/."""
+    found = {f"{p.relative_to(SRC)}: {name}" for p in (SRC / package).glob("*.py") for name in _imported(p)
+             if name == f"paratrain.{other}" or name.startswith(f"paratrain.{other}.")}
+    assert not found, sorted(found)
+
+
+def test_bench_and_planner_branch_on_no_strategy_name() -> None:
+    """They read what a strategy says of itself (its members, its dims), so a new layout needs no edit there."""
+    found = [f"{p.relative_to(SRC)}:{i}" for package in ("bench", "planner") for p in (SRC / package).glob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if "strategy.name ==" in line or 'name == "ddp' in line]
+    assert not found, found
+
+
+def test_one_schedule_table() -> None:
+    """The schedules the config accepts are the table's (and "auto"); torch's schedule classes are named only
+    there (and in the bench's hand-written reference, which must not use paratrain's code)."""
+    from paratrain.config import SCHEDULES
+    from paratrain.parallel.pipeline import schedules
+
+    assert tuple(SCHEDULES) == (*schedules.NAMES, "auto")
+    classes = {row.torch_name for row in schedules.ROWS} | {row.v_torch_name for row in schedules.ROWS} - {None}
+    allowed = {SRC / "parallel" / "pipeline" / "schedules.py", SRC / "bench" / "references.py"}
+    found = [f"{p.relative_to(SRC)}: {c}" for p in SRC.rglob("*.py") if p not in allowed for c in classes
+             if c and c in p.read_text()]
+    assert not found, found
+
+
+def test_forwards_are_replaced_in_one_place() -> None:
+    """A module instance's forward is replaced only through paratrain/_forwards.py, which records why."""
+    found = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py") if p.name != "_forwards.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if ".forward = " in line]
+    assert not found, found
+
+
+def test_a_replaced_forward_is_recorded_and_undone() -> None:
+    from torch import nn
+
+    from paratrain import _forwards
+    from paratrain.precision import apply_autocast
+
+    model = nn.Linear(2, 2)
+    apply_autocast(model, "bf16", "cpu")
+    _forwards.replace(model, lambda x: x, "a test's")
+    assert _forwards.replaced(model) == ["autocast bf16", "a test's"]
+    with _forwards.own_forwards([model]):
+        assert "forward" not in model.__dict__
+    _forwards.restore(model)
+    _forwards.restore(model)
+    assert _forwards.replaced(model) == [] and "forward" not in model.__dict__

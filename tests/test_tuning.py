@@ -1,4 +1,4 @@
-"""Choosing the schedule and micro-batch count by measurement (parallel/tuning.py), on synthetic step
+"""Choosing the schedule and micro-batch count by measurement (parallel/pipeline/tuning.py), on synthetic step
 times with a known best: the pick, and how few (schedule, count) pairs it measures against a sweep."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from torch import nn
 
 from paratrain.errors import ParatrainError
+from paratrain.parallel.pipeline.tuning import tune_schedule
 from paratrain.parallel.plan import Plan
-from paratrain.parallel.tuning import tune_schedule
 
 COUNTS = [1, 2, 4, 8, 16, 32, 64, 128]
 

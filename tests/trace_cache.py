@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from paratrain.parallel import tracing
+from paratrain.parallel.pipeline import tracing
 
 FOLDER_VARIABLE = "PARATRAIN_TEST_TRACE_CACHE"
 """The folder of saved traces, set by tests/conftest.py for one test run (workers inherit it)."""

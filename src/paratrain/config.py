@@ -165,11 +165,10 @@ def validate(cfg: Config) -> Config:
                              "or be one of 'time', 'memory', 'equal'")
     if cfg.devices is not None and not cfg.devices:
         raise ParatrainError("devices must list at least one device, e.g. devices=['cuda:0', 'cuda:1']")
-    if cfg.schedule in ("gpipe", "1f1b") and cfg.stages_per_worker != 1:
-        raise ParatrainError(
-            f"schedule {cfg.schedule!r} runs one stage per worker but stages_per_worker={cfg.stages_per_worker}; "
-            "use schedule='interleaved-1f1b' or 'zero-bubble' for several stages per worker, or stages_per_worker=1"
-        )
+    if cfg.schedule != "auto":
+        from .parallel.pipeline.schedules import row
+
+        row(cfg.schedule).check_stages(cfg.stages_per_worker)
     if cfg.find_unused_parameters and cfg.static_graph:
         raise ParatrainError("find_unused_parameters=True and static_graph=True contradict each other: a static "
                              "graph uses the same parameters every step; keep one of them")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _forwards
 from ._tree import map_tensors
 
 _DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
@@ -33,7 +34,7 @@ def apply_autocast(model: nn.Module, precision: str, device_type: str) -> nn.Mod
             out = forward(*args, **kwargs)
         return map_tensors(_as_float32, out)
 
-    model.forward = autocast_forward  # type: ignore[method-assign]
+    _forwards.replace(model, autocast_forward, f"autocast {precision}")
     return model
 
 

@@ -83,9 +83,10 @@ def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
+    from ..measure import workloads
     from ..runtime import cuda_count
     from . import jobs as planning
-    from . import mfu, report, runner, schema, workloads
+    from . import mfu, report, runner, schema
 
     gpus = cuda_count()
     names = planning.parse_strategies(ns.strategies)

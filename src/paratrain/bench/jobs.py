@@ -20,6 +20,7 @@ import torch
 from .. import strategies
 from ..config import make_config
 from ..errors import ParatrainError, unknown_name
+from ..parallel.pipeline.schedules import row
 from ..runtime import Placement, check_nproc
 from ..strategies.base import Context, Strategy
 
@@ -36,8 +37,6 @@ CEILING = "no-comm"
 strategy can be on this machine (it exposes shared cores, memory bandwidth and SMT siblings). Runs beside
 the strategy whose reference is torch-ddp."""
 AUTO_MICROBATCHES = (1, 2, 4, 8)
-TWO_PER_WORKER = ("interleaved-1f1b", "zero-bubble")
-"""Schedules the bench runs with 2 stages per worker (torch's loop and V layouts)."""
 
 
 def schedules(text: str) -> list[str]:
@@ -46,7 +45,7 @@ def schedules(text: str) -> list[str]:
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     for name in names:
-        if name not in SCHEDULES:
+        if name not in SCHEDULES:  # the table's and "auto"
             raise unknown_name("schedule", name, SCHEDULES)
     return names or ["1f1b"]
 
@@ -152,16 +151,15 @@ def _schedule_bound(strategy: Strategy, ctx: Context) -> float:
     state K*M/(M+K-1), which zero-bubble and interleaved schedules beat. For "auto", the best schedule it
     chooses among."""
     from ..parallel.microbatch import pipeline_bound
-    from ..parallel.pipelining import auto_schedules
-    from ..planner.schedules import schedule_speedup
-    from ..strategies.ddp_pp import dp_pp
+    from ..parallel.pipeline.schedules import auto_names
+    from ..parallel.pipeline.simulate import schedule_speedup
 
     bound = strategy.bound(ctx)
     cfg = ctx.config
-    if not isinstance(cfg.microbatches, int) or cfg.schedule in (None, "1f1b", "gpipe"):
+    if not isinstance(cfg.microbatches, int) or cfg.schedule is None:
         return bound
-    pp = dp_pp(ctx)[1] if strategy.name == "ddp+pp" else ctx.placement.world_size
-    names = auto_schedules(cfg.stages_per_worker) if cfg.schedule == "auto" else [cfg.schedule]
+    pp = ctx.placement.world_size // strategy.data_shard(ctx)[1]  # the workers that are not replicas
+    names = auto_names(cfg.stages_per_worker) if cfg.schedule == "auto" else [cfg.schedule]
     best = max(schedule_speedup(name, pp, cfg.stages_per_worker, cfg.microbatches) for name in names)
     return bound * best / pipeline_bound(pp, cfg.microbatches)
 
@@ -197,7 +195,8 @@ class _Builder:
         for first in requested:
             for m in counts:
                 for i, schedule in enumerate([first, "gpipe"] if first not in (None, "gpipe") else [first]):
-                    extra = (("stages_per_worker", 2),) if schedule in TWO_PER_WORKER else ()
+                    per_worker = row(schedule).default_per_worker if schedule not in (None, "auto") else 1
+                    extra = (("stages_per_worker", per_worker),) if per_worker > 1 else ()
                     options = {"microbatches": m, **({"schedule": schedule} if schedule else {}), **dict(extra)}
                     ctx = context(strategy.name, nproc, self.s, **options)
                     try:
@@ -236,7 +235,7 @@ class _Builder:
         if not strategy.microbatched:
             spec = Spec(name, nproc * len(set(strategy.devices(ctx))), devices=None, bound=strategy.bound(ctx))
             variants = [spec]
-            for hook in self.s.comm_hooks if name == "ddp" else ():
+            for hook in self.s.comm_hooks if strategy.comm_hooks else ():
                 if hook == "none":
                     continue
                 variant = replace(spec, options=(("comm_hook", hook),))
@@ -246,7 +245,7 @@ class _Builder:
                     self.skip(variant, str(exc))
                     continue
                 variants.append(variant)
-            if name == "ddp" and "none" not in self.s.comm_hooks:
+            if strategy.comm_hooks and "none" not in self.s.comm_hooks:
                 variants = variants[1:] or [spec]
             specs = [*self.with_reference(variants[0]), *variants[1:]]
             self.out.jobs.append(Job(nproc, tuple(specs), title))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .workloads import Workload
+from ..measure.workloads import Workload
 
 CONVOLUTIONS = ("aten.convolution", "aten.convolution_backward", "aten._convolution")
 

@@ -32,8 +32,8 @@ from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import ParatrainError
+from ..measure.workloads import Batch, Workload
 from .jobs import Settings, Spec
-from .workloads import Batch, Workload
 
 Step = Callable[[], None]
 SEED = 0

@@ -21,10 +21,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 
 from .. import runtime
-from . import references, workloads
+from ..measure import workloads
+from ..measure.timing import time_steps
+from ..measure.workloads import Batch, Workload
+from . import references
 from .jobs import Job, Settings, Spec
-from .timing import time_steps
-from .workloads import Batch, Workload
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .. import _forwards
 from ..errors import ParatrainError
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -146,7 +147,7 @@ def defer_modules(model: nn.Module) -> None:
     """BatchNorm modules of `model` (not traced) collect micro-batch statistics instead of updating."""
     for name, module in model.named_modules():
         if isinstance(module, _BATCH_NORMS) and "forward" not in module.__dict__:
-            module.forward = _module_forward(module, name)  # type: ignore[method-assign]
+            _forwards.replace(module, _module_forward(module, name), "deferred batchnorm")
 
 
 def _module_forward(module: Any, key: str) -> Any:

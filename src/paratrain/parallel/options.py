@@ -10,6 +10,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import ParatrainError
+from .pipeline import schedules
 
 
 def check_balance_entries(balance: Any, stages: int, where: str) -> None:
@@ -27,17 +28,6 @@ def check_balance_entries(balance: Any, stages: int, where: str) -> None:
         )
 
 
-def check_layout(schedule: str, pp: int, per_worker: int, microbatches: int | str) -> None:
-    """Reject a micro-batch count the schedule cannot run on this many stages, before any process waits."""
-    stages = pp * per_worker
-    if schedule == "1f1b" and isinstance(microbatches, int) and microbatches < stages:
-        raise ParatrainError(
-            f"schedule '1f1b' needs at least as many micro-batches as stages: microbatches={microbatches} < "
-            f"{stages} stages (pp {pp} x stages_per_worker {per_worker}); use microbatches>={stages} "
-            f"(e.g. {2 * stages}), microbatches='auto' or schedule='gpipe'"
-        )
-
-
 def example_needed(where: str, why: str) -> ParatrainError:
     """The error for a split that needs an example batch which `prepare` was not given."""
     return ParatrainError(
@@ -48,7 +38,7 @@ def example_needed(where: str, why: str) -> ParatrainError:
 
 def check_pipeline(cfg: Config, pp: int, where: str) -> None:
     """What every multi-process pipeline (pp, ddp+pp) needs from the options, given `pp` pipeline ranks."""
-    check_layout(cfg.schedule, pp, cfg.stages_per_worker, cfg.microbatches)
+    schedules.check(cfg.schedule, pp, cfg.stages_per_worker, cfg.microbatches)
     check_balance_entries(cfg.balance, pp * cfg.stages_per_worker, where)
     if cfg.precision == "16":
         raise ParatrainError(

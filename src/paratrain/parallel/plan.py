@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .balance import LayerCost
-from .memory import StageMemory
 from .microbatch import Search
+from .pipeline.balance import LayerCost
+from .pipeline.memory import StageMemory
 
 
 @dataclass

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _forwards
+
 _MASK32 = 0xFFFFFFFF
 _ROW_MIX = 0x9E3779B1
 
@@ -151,6 +153,6 @@ def apply_layout_dropout(model: nn.Module) -> list[str]:
     names = []
     for name, module in model.named_modules():
         if type(module) in (nn.Dropout, *_CHANNEL_DROPOUTS) and "forward" not in module.__dict__:
-            module.forward = _module_forward(module, name)  # type: ignore[method-assign]
+            _forwards.replace(module, _module_forward(module, name), "layout dropout")
             names.append(name)
     return names

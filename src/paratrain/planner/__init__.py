@@ -5,7 +5,7 @@
     comm.py        alpha-beta models of all-reduce, all-gather, reduce-scatter and point-to-point
     costs.py       per-layer time, FLOPs and memory; time on a given cluster
     profile.py     a real model measured layer by layer   |   transformer.py  a GPT from its shapes
-    schedules.py   discrete-event simulation of torch's pipeline schedules, DDP buckets, FSDP prefetch
+    overlap.py     DDP buckets and FSDP prefetch beside compute (pipeline schedules: parallel/pipeline/simulate.py)
     memory.py      memory of the busiest worker, by what holds it
     layout.py      one layout, as setup() arguments and a launch command
     predict.py     one layout's predicted step    |   search.py  which layouts to predict (pruned)

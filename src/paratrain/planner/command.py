@@ -84,7 +84,7 @@ def load_profile(request: PlanRequest, cluster: Cluster, say: Say = print) -> tu
         return transformer.profile(gpt, request.precision, request.optimizer), request.global_batch
     import torch
 
-    from ..bench import workloads
+    from ..measure import workloads
     from .profile import measure
 
     workload = workloads.get(request.workload)

@@ -3,9 +3,9 @@
     step = compute + exposed communication + pipeline bubble + optimizer + per-call overhead
 
 Compute is the layers' forward and backward at the micro-batch size this layout runs (`costs`). Data
-parallelism overlaps its gradient all-reduce with the backward, bucket by bucket (`schedules.ddp_backward`);
+parallelism overlaps its gradient all-reduce with the backward, bucket by bucket (`overlap.ddp_backward`);
 FSDP gathers each unit's parameters one unit ahead and reduce-scatters its gradients behind
-(`schedules.fsdp_step`); pipelines run torch's own action lists (`schedules.simulate`), stages cut by the
+(`overlap.fsdp_step`); pipelines run torch's own action lists (`parallel.pipeline.simulate`), stages cut by the
 same time balance paratrain uses at run time, and ddp+pp then all-reduces every stage's gradients over
 its replicas, after the schedule, as paratrain does. Every data-parallel step also all-reduces its loss.
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ParatrainError
-from ..parallel.balance import solve
-from ..parallel.pipelining import check_layout
-from . import costs, memory, schedules
+from ..parallel.pipeline import schedules, simulate
+from ..parallel.pipeline.balance import solve
+from . import costs, memory, overlap
 from .cluster import GIB, Cluster
 from .comm import Group, collective_time, p2p_time, pipeline_groups
 from .costs import Profile
@@ -76,11 +76,9 @@ def problem(layout: Layout, profile: Profile, batch: int, cluster: Cluster) -> s
     if layout.strategy in ("pp", "ddp+pp"):
         schedule, m = layout.schedule or "1f1b", layout.microbatches
         try:
-            check_layout(schedule, layout.pp, layout.stages_per_worker, m)
+            schedules.check(schedule, layout.pp, layout.stages_per_worker, m)
         except ParatrainError as exc:
             return str(exc).split(";")[0]
-        if schedule in ("interleaved-1f1b", "zero-bubble") and m % max(1, m // layout.pp):
-            return f"{schedule} runs whole rounds of micro-batches: {m} is not a multiple of {max(1, m // layout.pp)}"
     return None
 
 
@@ -144,12 +142,12 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
     group = Group(dp, dp > cluster.devices_per_node)
     reduce = lambda kind: (lambda n: collective_time(cluster, kind, n, group))  # noqa: E731
     if sharded:
-        quiet = schedules.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap,
+        quiet = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap,
                                     sync=False)
-        last = schedules.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap)
+        last = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap)
         body, exposed = (accum - 1) * quiet.end + last.end, (accum - 1) * quiet.exposed + last.exposed
     else:
-        last = schedules.ddp_backward(bwd, unit, reduce("all_reduce"), cluster.overlap)
+        last = overlap.ddp_backward(bwd, unit, reduce("all_reduce"), cluster.overlap)
         body = (accum - 1) * (sum(fwd) + sum(bwd)) + sum(fwd) + last.end
         exposed = last.exposed
     call = _call_overhead(profile, cluster, layout)
@@ -172,13 +170,13 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
 
 
 def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int,
-                 send: Callable[[float], float]) -> list[schedules.StageCost]:
+                 send: Callable[[float], float]) -> list[simulate.StageCost]:
     out, start = [], 0
     for count in balance:
         part = range(start, start + count)
         backward = sum(lt[i].backward for i in part)
         weight = sum(lt[i].weight_grad for i in part)
-        out.append(schedules.StageCost(
+        out.append(simulate.StageCost(
             forward=sum(lt[i].forward for i in part), backward=backward,
             weight_share=weight / backward if backward else 0.5,
             activation_bytes=sum(profile.layers[i].activation_bytes for i in part) * b,
@@ -195,8 +193,8 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     balance = solve([t.forward + t.backward for t in lt], layout.stages)
     dp_group, pp_group = pipeline_groups(cluster, dp, pp)
     stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes))
-    where = schedules.stage_ranks(schedule, pp, per_worker)
-    run = schedules.run_schedule(schedule, pp, per_worker, micro, stages, cluster.action_overhead, cluster.overlap)
+    where = simulate.stage_ranks(schedule, pp, per_worker)
+    run = simulate.run_schedule(schedule, pp, per_worker, micro, stages, cluster.action_overhead, cluster.overlap)
     starts = [sum(balance[:s]) for s in range(len(balance))]
     rank_params = [0.0] * pp
     rank_bytes = [0.0] * pp

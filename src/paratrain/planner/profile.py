@@ -1,13 +1,13 @@
 """Measure a real model, layer by layer, at the micro-batch sizes the layouts need.
 
-Each layer runs alone on a detached copy of its input (as `parallel.balance.profile_layers` does), so
+Each layer runs alone on a detached copy of its input (as `parallel.pipeline.balance.profile_layers` does), so
 its forward and its backward are timed apart: a pipeline schedules them apart. Times are the median
 of a few repeats after a warm-up: `--validate` compares predictions with the median step of real runs,
 and on a shared machine the fastest repeat is the exception (predicting from it biased every layout
 low by 5-10% on the 2-core development machine). FLOPs are counted once with
 `torch.utils.flop_counter`, the backward twice: gradients for the layer's input only, then for its
 weights only, which gives the share a zero-bubble schedule defers. Activation bytes come from the
-saved-tensor meter the pipelines report with (`parallel.memory.ActivationMeter`).
+saved-tensor meter the pipelines report with (`parallel.pipeline.memory.ActivationMeter`).
 
 The whole model is then timed as one step; what it costs beyond the sum of its layers (hooks,
 Python, the loss glue) is kept as a per-call overhead, and one optimizer step is timed for its cost
@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._tree import map_tensors
-from ..parallel.memory import ActivationMeter, param_bytes
-from ..parallel.partition import layers_of
+from ..parallel.pipeline.memory import ActivationMeter, param_bytes
+from ..parallel.pipeline.partition import layers_of
 from ..precision import apply_autocast
 from .costs import LayerCost, Profile
 

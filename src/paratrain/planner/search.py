@@ -18,13 +18,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 
+from ..parallel.pipeline.schedules import NAMES, row
 from .cluster import Cluster
 from .costs import Profile
 from .layout import STRATEGIES, Layout
 from .memory import model_state
 from .predict import Prediction, capacity, predict
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+PIPELINE_SCHEDULES = NAMES
 MAX_STAGES_PER_WORKER = 4
 ALL = STRATEGIES
 
@@ -71,9 +72,8 @@ def _data_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, preci
 
 
 def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> Iterator[int]:
-    low = pp * per_worker if schedule == "1f1b" else 1
-    if schedule in ("interleaved-1f1b", "zero-bubble"):
-        low = pp
+    rule = row(schedule)
+    low = pp if rule.multi_stage else rule.min_microbatches(pp, per_worker)
     for m in _powers(low, per_replica):
         if per_replica % m == 0:
             yield m
@@ -95,7 +95,7 @@ def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision
             continue
         for schedule in schedules:
             for per_worker in range(1, MAX_STAGES_PER_WORKER + 1):
-                if (per_worker > 1) != (schedule in ("interleaved-1f1b", "zero-bubble")) or pp * per_worker > layers:
+                if (per_worker > 1) != row(schedule).multi_stage or pp * per_worker > layers:
                     continue
                 out += _sweep_microbatches(profile, cluster, batch, optimizer, Layout(
                     strategy=strategy, dp=dp, pp=pp, stages_per_worker=per_worker, schedule=schedule,

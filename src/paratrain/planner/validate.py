@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from ..bench.timing import time_steps
 from ..errors import ParatrainError
+from ..measure.timing import time_steps
+from ..parallel.pipeline.schedules import NAMES, row
 from .cluster import Cluster
 from .costs import Profile
 from .layout import Layout
 from .predict import predict
 
 MICROBATCHES = (1, 2, 4, 8)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 def local_layouts(precision: str = "32") -> list[Layout]:
@@ -41,8 +41,8 @@ def local_layouts(precision: str = "32") -> list[Layout]:
     (interleaved and zero-bubble with 2 stages per worker), mp 2, and ddp+pp 2 x 2."""
     out = [Layout(strategy="single", precision=precision), Layout(strategy="ddp", dp=2, precision=precision),
            Layout(strategy="fsdp", dp=2, precision=precision)]
-    for schedule in SCHEDULES:
-        per_worker = 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    for schedule in NAMES:
+        per_worker = row(schedule).default_per_worker
         out += [Layout(strategy="pp", pp=2, schedule=schedule, stages_per_worker=per_worker, microbatches=m,
                        precision=precision) for m in MICROBATCHES]
     out += [Layout(strategy="mp", pp=2, microbatches=m, precision=precision) for m in (1, 4)]
@@ -80,7 +80,7 @@ def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str,
 
     import paratrain
 
-    from ..bench import workloads
+    from ..measure import workloads
 
     run = paratrain.setup(**options, seed=0, timeout_s=settings.timeout_s)
     workload = workloads.get(settings.workload)

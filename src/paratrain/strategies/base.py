@@ -41,6 +41,8 @@ class Strategy(Protocol):
     """Each (per-replica) batch is split into micro-batches that flow through model stages."""
     scheduled: bool
     """A pipeline schedule (`schedule=`) orders the micro-batches' work across processes."""
+    comm_hooks: bool
+    """Takes a DDP communication hook (`comm_hook=`) for its gradient all-reduce."""
 
     def check(self, ctx: Context) -> None:
         """Reject a job this strategy cannot run (here: this world size, these devices), naming the fix."""

@@ -22,6 +22,7 @@ class DDP:
     sharded_state = False
     microbatched = False
     scheduled = False
+    comm_hooks = True
 
     def check(self, ctx: Context) -> None:
         if not dist.is_available():

@@ -18,8 +18,8 @@ from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import apply_ddp, evaluate, set_ddp_sync
 from ..parallel.microbatch import pipeline_bound
-from ..parallel.mp_pipeline import MPPipeline, train_step
 from ..parallel.options import check_balance_entries
+from ..parallel.pipeline.mp_pipeline import MPPipeline, train_step
 from ..runtime import worker_devices
 from .base import Backward, Context, LossFn
 
@@ -30,6 +30,7 @@ class DataModelParallel:
     sharded_state = False
     microbatched = True
     scheduled = False
+    comm_hooks = False
 
     def check(self, ctx: Context) -> None:
         k, local = ctx.config.devices_per_worker, ctx.placement.local_world_size

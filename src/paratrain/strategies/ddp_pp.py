@@ -25,7 +25,7 @@ from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import average_gradients
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
-from ..parallel.pipelining import PipelineModule, evaluate, global_loss
+from ..parallel.pipeline.pipelining import PipelineModule, evaluate, global_loss
 from .base import Backward, Context, LossFn
 
 DEFAULT_PP_SIZE = 2
@@ -68,6 +68,7 @@ class DataPipeline:
     sharded_state = True
     microbatched = True
     scheduled = True
+    comm_hooks = False
 
     def check(self, ctx: Context) -> None:
         dp, pp = dp_pp(ctx)

@@ -18,6 +18,7 @@ class DataParallel:
     sharded_state = False
     microbatched = False
     scheduled = False
+    comm_hooks = False
 
     def check(self, ctx: Context) -> None:
         if ctx.gpus == 0 or ctx.device.type != "cuda":

@@ -1,6 +1,6 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over data-parallel ranks.
 
-Units follow the model's blocks (see `parallel.fsdp`): each block of a `ModuleList`/`Sequential` is
+Units follow the model's blocks (see `parallel.data_parallel.fsdp`): each block of a `ModuleList`/`Sequential` is
 gathered just before it runs and freed after; embeddings, final norm, head and tied weights stay in
 the root unit. Gradients are reduce-scattered and averaged, so training matches DDP and the
 single-process run at the same global batch. With precision="bf16" the parameters are gathered and
@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import evaluate, forward_backward
-from ..parallel.fsdp import apply_fsdp, set_fsdp_sync
+from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
 from .base import Backward, Context, LossFn
 
 
@@ -28,6 +28,7 @@ class FSDP:
     sharded_state = True
     microbatched = False
     scheduled = False
+    comm_hooks = False
 
     def check(self, ctx: Context) -> None:
         try:

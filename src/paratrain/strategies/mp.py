@@ -1,7 +1,7 @@
 """Strategy "mp": one process drives several devices, one model stage on each, micro-batches pipelined.
 
 The tutorials' `ModelParallelResNet50` and its `split_size` loop, without writing `seq1`/`seq2`: the
-model is split and balanced automatically (see `parallel.mp_pipeline`). On a machine without CUDA every
+model is split and balanced automatically (see `parallel.pipeline.mp_pipeline`). On a machine without CUDA every
 stage sits on "cpu", so the same script runs (and is tested) anywhere; speed only matters on GPUs.
 """
 
@@ -15,8 +15,8 @@ from torch import nn
 from ..errors import ParatrainError
 from ..parallel.data_parallel import evaluate
 from ..parallel.microbatch import pipeline_bound
-from ..parallel.mp_pipeline import MPPipeline, train_step
 from ..parallel.options import check_balance_entries
+from ..parallel.pipeline.mp_pipeline import MPPipeline, train_step
 from ..runtime import mp_devices
 from .base import Backward, Context, LossFn
 
@@ -27,6 +27,7 @@ class ModelParallel:
     sharded_state = False
     microbatched = True
     scheduled = False
+    comm_hooks = False
 
     def check(self, ctx: Context) -> None:
         if ctx.placement.world_size > 1:

@@ -22,8 +22,8 @@ from .._tree import map_tensors, tensors_in
 from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import average_in_place, evaluate, forward_backward
+from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
 from ..parallel.dims import ParallelDims, canonical, dims_for, parse
-from ..parallel.fsdp import apply_fsdp, set_fsdp_sync
 from .base import Backward, Context, LossFn
 
 
@@ -61,6 +61,7 @@ class NDStrategy:
     sharded_state = True
     microbatched = False
     scheduled = False
+    comm_hooks = False
 
     def __init__(self, name: str) -> None:
         self.name = canonical(name)

@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import ParatrainError
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
-from ..parallel.pipelining import PipelineModule, evaluate, global_loss
+from ..parallel.pipeline.pipelining import PipelineModule, evaluate, global_loss
 from .base import Backward, Context, LossFn
 
 
@@ -25,6 +25,7 @@ class Pipeline:
     sharded_state = True
     microbatched = True
     scheduled = True
+    comm_hooks = False
 
     def check(self, ctx: Context) -> None:
         world, pp = ctx.placement.world_size, ctx.config.pp_size

@@ -18,6 +18,7 @@ class Single:
     sharded_state = False
     microbatched = False
     scheduled = False
+    comm_hooks = False
 
     def check(self, ctx: Context) -> None:
         if ctx.placement.world_size > 1:

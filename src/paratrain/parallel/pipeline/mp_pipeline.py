@@ -27,17 +27,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import batchnorm, randomness
+from .. import batchnorm, randomness
+from ..batchnorm import check_microbatches
+from ..microbatch import batch_size, divisors, merge, split
+from ..options import example_needed
+from ..plan import Plan
+from ..trial import step_time
 from .balance import choose_balance, describe
-from .batchnorm import check_microbatches
 from .memory import StageMemory, format_report, param_bytes, watch_stages
-from .microbatch import batch_size, divisors, merge, split
-from .options import example_needed
 from .partition import Stage, equal_balance, layers_of, split_into_stages, too_few_layers
-from .plan import Plan
 from .streams import Copier
 from .tied import check_one_device
-from .trial import step_time
 from .tuning import tune_microbatches
 
 LossFn = Callable[[Any, Any], torch.Tensor]

@@ -1,4 +1,5 @@
-"""Discrete-event simulation of the real pipeline schedules, not a bubble formula.
+"""Discrete-event simulation of the real pipeline schedules, not a bubble formula: the bound each schedule
+allows (`schedule_speedup`) and, with measured stage costs, the planner's pipeline step time.
 
 The order of work on each pipeline rank is torch.distributed.pipelining's own: its schedule classes
 compute `pipeline_order` (rank -> actions such as 0F1, 1B0, 2I3, 2W3) when constructed, from nothing
@@ -13,37 +14,29 @@ runs its actions in that order, each as soon as its inputs exist:
     rank 1  .  F0 F1 F2 B0 B0 B1 B1 B2 B2 .  .  .       step = (M+K-1)(f+b) = 4 x 3 slots
 
 So the bubble, the in-flight micro-batches (and their activation memory) and the exposed sends all
-follow from the schedule torch will run. The same file simulates DDP's bucketed all-reduce during the
-backward and FSDP's all-gathers and reduce-scatters with prefetch.
+follow from the schedule torch will run.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
 
-from ..errors import ParatrainError, unknown_name
-from ..parallel.memory import in_flight
+from ...errors import ParatrainError
+from .memory import in_flight
+from .schedules import row, stage_owners
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 Action = tuple[int, str, int]
 """(stage, kind, micro-batch); kind is F, B (full backward), I (input gradient) or W (weight gradient)."""
 
 
-def _torch_class(schedule: str, per_worker: int) -> type:
+def _order_class(schedule: str, per_worker: int) -> type:
     """torch's schedule class, minus the lowering to send/receive actions that running it needs (quadratic
     in the actions, and not what is simulated here); the action lists are computed before that step."""
-    from torch.distributed.pipelining import schedules as s
-
-    cls: type
-    if schedule == "zero-bubble":
-        cls = s.ScheduleZBVZeroBubble if per_worker == 2 else s.ScheduleInterleavedZeroBubble
-    else:
-        cls = {"gpipe": s.ScheduleGPipe, "1f1b": s.Schedule1F1B,
-               "interleaved-1f1b": s.ScheduleInterleaved1F1B}[schedule]
+    cls = row(schedule).torch_class(per_worker)
     if not hasattr(cls, "_prepare_schedule_with_comms"):
         return cls
 
@@ -54,17 +47,12 @@ def _torch_class(schedule: str, per_worker: int) -> type:
 
 
 def stage_ranks(schedule: str, pp: int, per_worker: int) -> dict[int, int]:
-    """Stage -> pipeline rank, as paratrain places them (loop; V for the 2-stages-per-rank zero bubble)."""
-    if schedule == "zero-bubble" and per_worker == 2:
-        return {**{r: r for r in range(pp)}, **{2 * pp - 1 - r: r for r in range(pp)}}
-    return {r + v * pp: r for r in range(pp) for v in range(per_worker)}
+    return stage_owners(schedule, pp, per_worker)
 
 
 @lru_cache(maxsize=256)
 def pipeline_order(schedule: str, pp: int, per_worker: int, microbatches: int) -> dict[int, tuple[Action, ...]]:
     """torch's action list per rank for this layout (compute actions only, idle slots dropped)."""
-    if schedule not in SCHEDULES:
-        raise unknown_name("schedule", schedule, SCHEDULES)
     stages = pp * per_worker
     where = stage_ranks(schedule, pp, per_worker)
 
@@ -72,9 +60,9 @@ def pipeline_order(schedule: str, pp: int, per_worker: int, microbatches: int) -
         return SimpleNamespace(num_stages=stages, group_size=pp, group_rank=where[index], stage_index=index,
                                is_first=index == 0, is_last=index == stages - 1, submod=None)
 
-    cls = _torch_class(schedule, per_worker)
+    cls = _order_class(schedule, per_worker)
     try:
-        if schedule in ("gpipe", "1f1b"):
+        if not row(schedule).multi_stage:
             order = cls(stand_in(0), microbatches).pipeline_order
         else:
             mine = sorted(i for i, r in where.items() if r == 0)
@@ -273,89 +261,3 @@ def _held(rank: int, actions: Sequence[Action], costs: Sequence[StageCost]) -> t
     text = {rank: [f"{stage}{kind}{mb}" for stage, kind, mb in actions]}
     most, most_bytes = in_flight(text, rank, {s: int(c.activation_bytes) for s, c in enumerate(costs)})
     return most, float(most_bytes)
-
-
-@dataclass
-class Overlapped:
-    """A compute phase with communication running beside it."""
-
-    end: float
-    """Seconds from the phase's start until both compute and communication are done."""
-    compute: float
-    comm: float
-    """Seconds of communication in total."""
-
-    @property
-    def exposed(self) -> float:
-        """Communication the compute did not hide."""
-        return self.end - self.compute
-
-
-def _charge(end: float, compute: float, comm: float, overlap: float) -> Overlapped:
-    """With overlap < 1 the hidden part of the communication still costs its share of compute time."""
-    hidden = comm - (end - compute)
-    return Overlapped(end + (1 - overlap) * max(0.0, hidden), compute, comm)
-
-
-DDP_FIRST_BUCKET = 1024**2
-"""DDP's first bucket is small (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES) so communication starts early."""
-DDP_BUCKET = 25 * 1024**2
-
-
-def ddp_backward(backward: Sequence[float], grad_bytes: Sequence[float], all_reduce: Callable[[float], float],
-                 overlap: float = 1.0, bucket: float = DDP_BUCKET, first: float = DDP_FIRST_BUCKET) -> Overlapped:
-    """DDP's backward: gradients fill buckets in reverse layer order; a full bucket is all-reduced while the
-    backward goes on, one bucket at a time, in order."""
-    clock = comm_free = comm = 0.0
-    filled, cap = 0.0, first
-    ready: list[tuple[float, float]] = []
-    for seconds, size in zip(reversed(backward), reversed(grad_bytes)):
-        clock += seconds
-        filled += size
-        if filled >= cap:
-            ready.append((clock, filled))
-            filled, cap = 0.0, bucket
-    if filled:
-        ready.append((clock, filled))
-    for at, size in ready:
-        took = all_reduce(size)
-        comm_free = max(comm_free, at) + took
-        comm += took
-    return _charge(max(clock, comm_free), clock, comm, overlap)
-
-
-def fsdp_step(forward: Sequence[float], backward: Sequence[float], unit_bytes: Sequence[float],
-              all_gather: Callable[[float], float], reduce_scatter: Callable[[float], float],
-              overlap: float = 1.0, sync: bool = True) -> Overlapped:
-    """FSDP2 over one unit per layer with parameters: each unit's parameters are all-gathered before its
-    forward and again before its backward (they are freed after forward), the next unit's gather issued
-    when a unit starts computing (prefetch), and its gradients reduce-scattered after its backward.
-    Communication runs in issue order beside compute. With sync=False (inside an accumulation window)
-    there is no reduce-scatter."""
-    compute_free = comm_free = comm = 0.0
-    gathered: dict[tuple[str, int], float] = {}
-
-    def gather(key: tuple[str, int], size: float, issued: float) -> None:
-        nonlocal comm_free, comm
-        if size and key not in gathered:
-            took = all_gather(size)
-            comm_free = max(comm_free, issued) + took
-            comm += took
-            gathered[key] = comm_free
-
-    n = len(forward)
-    passes = [("F", i) for i in range(n)] + [("B", i) for i in reversed(range(n))]
-    gather(passes[0], unit_bytes[passes[0][1]], 0.0)
-    for at, (phase, i) in enumerate(passes):
-        begin = max(compute_free, gathered.get((phase, i), 0.0))
-        for later in passes[at + 1 :]:  # prefetch the next unit that has parameters
-            if unit_bytes[later[1]]:
-                gather(later, unit_bytes[later[1]], begin)
-                break
-        compute_free = begin + (forward[i] if phase == "F" else backward[i])
-        if phase == "B" and unit_bytes[i] and sync:
-            took = reduce_scatter(unit_bytes[i])
-            comm_free = max(comm_free, compute_free) + took
-            comm += took
-    compute = sum(forward) + sum(backward)
-    return _charge(max(compute_free, comm_free), compute, comm, overlap)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ParatrainError, unknown_name
+from ...errors import ParatrainError, unknown_name
 
 _PRECISION = {"bf16": torch.bfloat16, "16": torch.float16}
 """The low dtype FSDP2 gathers and computes in for `setup(precision=...)`."""

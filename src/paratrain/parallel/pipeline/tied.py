@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ParatrainError
+from ...errors import ParatrainError
 
 
 def shared_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, list[int]]]:
@@ -51,10 +51,14 @@ class TiedGradients:
                  my_rank: int, group: Any) -> None:
         self.group = group
         self.entries: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]] = []
+        self.counted_elsewhere: set[int] = set()
+        """ids of this rank's tied copies that an earlier holder counts in the model's gradient norm."""
         for _, p, held_by in shared_parameters(model, stages):
             ranks = {rank_of_stage(i) for i in held_by}
             if len(ranks) > 1:
                 self.entries.append((p if my_rank in ranks else None, p.shape, p.dtype))
+                if my_rank in ranks and my_rank != min(ranks):
+                    self.counted_elsewhere.add(id(p))
 
     def __bool__(self) -> bool:
         return bool(self.entries)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._tree import map_tensors
+from ..._tree import map_tensors
 
 
 class Copier:

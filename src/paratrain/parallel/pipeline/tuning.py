@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from torch import nn
 
-from ..errors import ParatrainError
-from .microbatch import Search, search
-from .plan import Plan
-from .trial import no_trace
+from ...errors import ParatrainError
+from ..microbatch import Search, search
+from ..plan import Plan
+from ..trial import no_trace
 
 
 def tune_microbatches(plan: Plan, measure: Callable[[int], float], candidates: list[int], stages: int,

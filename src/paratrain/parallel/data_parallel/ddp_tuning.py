@@ -26,10 +26,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..collectives import max_over_world
-from ..config import Config
-from ..errors import ParatrainError
-from .trial import no_trace, step_time
+from ...collectives import max_over_world
+from ...config import Config
+from ...errors import ParatrainError
+from ..trial import no_trace, step_time
 
 
 @dataclass

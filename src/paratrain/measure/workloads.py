@@ -147,7 +147,7 @@ def resnet50(image: int | None = None, gpu: bool = False) -> Workload:
 
 
 def gpt(size: str | None = None, gpu: bool = False) -> Workload:
-    """A GPT decoder language model (`bench/gpt.py`) on synthetic token batches, next-token cross-entropy.
+    """A GPT decoder language model (`measure/gpt.py`) on synthetic token batches, next-token cross-entropy.
     `mini` on CPU workers by default (8 sequences of 128 tokens, about 0.1-0.3 s per step on one core),
     GPT-2 small (`gpt2`, 8 sequences of 1024 tokens) on GPUs; `tiny` for tests. The references cut it
     between blocks: embedding and the first half of the blocks | the other half and the tied head."""

@@ -29,19 +29,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .._tree import map_tensors
-from ..collectives import max_over_world, mean_over_world
-from ..errors import ParatrainError
-from . import batchnorm
+from ..._tree import map_tensors
+from ...collectives import max_over_world, mean_over_world
+from ...errors import ParatrainError
+from .. import batchnorm
+from ..batchnorm import check_microbatches
+from ..microbatch import batch_size, check_even, divisors, split
+from ..options import example_needed
+from ..plan import Plan
+from ..trial import step_time
+from . import schedules
 from .balance import choose_balance, describe
-from .batchnorm import check_microbatches
 from .memory import StageMemory, format_report, in_flight, param_bytes, watch_stages
-from .microbatch import batch_size, check_even, divisors, split
-from .options import check_layout, example_needed
 from .partition import Stage, layers_of, merged, split_into_stages
-from .plan import Plan
 from .tied import TiedGradients
-from .trial import step_time
 from .tuning import tune_schedule
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -62,30 +63,6 @@ def _pipeline_stage_class() -> type:
     return QuietStage
 
 
-def _schedule_class(name: str, per_worker: int) -> type:
-    from torch.distributed.pipelining import schedules as s
-
-    if name == "zero-bubble":
-        return s.ScheduleZBVZeroBubble if per_worker == 2 else s.ScheduleInterleavedZeroBubble
-    return {"gpipe": s.ScheduleGPipe, "1f1b": s.Schedule1F1B,
-            "interleaved-1f1b": s.ScheduleInterleaved1F1B}[name]
-
-
-def auto_schedules(per_worker: int) -> list[str]:
-    """What schedule="auto" chooses among: the schedules that run the loop layout of `per_worker` stages per
-    worker (the V layout of zero-bubble with 2 stages per worker places stages differently, so it is only
-    run when asked for by name). The first is the one micro-batch counts are searched with."""
-    if per_worker == 1:
-        return ["1f1b", "zero-bubble", "gpipe"]
-    return ["interleaved-1f1b", *([] if per_worker == 2 else ["zero-bubble"])]
-
-
-def stage_indices(schedule: str, pp_rank: int, pp: int, per_worker: int) -> list[int]:
-    if schedule == "zero-bubble" and per_worker == 2:  # V: rank r holds stage r and its mirror
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + v * pp for v in range(per_worker)]
-
-
 def _signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (tuple(value.shape), value.dtype)
@@ -103,10 +80,10 @@ class PipelineModule(nn.Module):
                  device: torch.device, microbatches: int | str, balance: Sequence[int] | Sequence[str] | str,
                  example: Any, group: Any = None, strategy: str = "pp", batchnorm: str = "exact") -> None:
         super().__init__()
-        check_layout(schedule, pp, per_worker, microbatches)
+        schedules.check(schedule, pp, per_worker, microbatches)
         self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
         self.num_stages = pp * per_worker
-        self.ids = stage_indices(schedule, pp_rank, pp, per_worker)
+        self.ids = schedules.stage_indices(schedule, pp_rank, pp, per_worker)
         self.device, self.group = device, group
         self.microbatches: int | str = microbatches
         self.plan = Plan(strategy=strategy, stages=self.num_stages, microbatches=microbatches,
@@ -138,7 +115,7 @@ class PipelineModule(nn.Module):
         balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample,
                                         agree=lambda v: mean_over_world(v, self.device))
         stages = split_into_stages(layers, balance)
-        owner = {i: r for r in range(self.pp) for i in stage_indices(self.schedule_name, r, self.pp, self.per_worker)}
+        owner = schedules.stage_owners(self.schedule_name, self.pp, self.per_worker)
         self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
         local = [stages[i].to(self.device) for i in self.ids]
         for stage in local:
@@ -179,16 +156,17 @@ class PipelineModule(nn.Module):
         # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
         name = (schedule or self.schedule_name) if training or self.per_worker > 1 else "gpipe"
         if name == "auto":  # a forward-only pass before the first step chose one
-            name = auto_schedules(self.per_worker)[0]
+            name = schedules.auto_names(self.per_worker)[0]
         key = (microbatches, _signature(inputs), training, loss, name)
         if key not in self._schedules:
             stages = [_pipeline_stage_class()(stage, i, self.num_stages, self.device, group=self.group)
                       for stage, i in zip(self.local, self.ids)]
-            cls = _schedule_class(name, self.per_worker)
+            rule = schedules.row(name)
+            cls = rule.torch_class(self.per_worker)
             try:
                 # The loss is scaled instead of the gradients (scale_grads=False): torch would divide all of
                 # .grad, including what earlier micro-steps of an accumulation window left there.
-                first = stages[0] if name in ("gpipe", "1f1b") else stages
+                first = stages if rule.multi_stage else stages[0]
                 sched = cls(first, microbatches, loss_fn=self._loss if loss else None, scale_grads=False)
             except ValueError as exc:
                 raise ParatrainError(
@@ -249,7 +227,7 @@ class PipelineModule(nn.Module):
         if isinstance(self.microbatches, int):
             check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
         if self.microbatches == "auto" or self.schedule_name == "auto":
-            names = auto_schedules(self.per_worker) if self.schedule_name == "auto" else [self.schedule_name]
+            names = schedules.auto_names(self.per_worker) if self.schedule_name == "auto" else [self.schedule_name]
             fixed = self.microbatches if isinstance(self.microbatches, int) else None
             self.schedule_name, self.microbatches = tune_schedule(
                 self.plan, names, lambda name, m: self.measure(inputs, targets, m, schedule=name),
@@ -290,7 +268,7 @@ class PipelineModule(nn.Module):
     def _evaluate_in_stage_order(self, inputs: Any, targets: Any, loss_fn: LossFn | None) -> Any:
         """The whole batch through the stages in order, handed from rank to rank: the forward-only pass of
         the V layout (torch 2.14's V schedules walk their backward actions in eval() and fail)."""
-        owner = {i: r for r in range(self.pp) for i in stage_indices(self.schedule_name, r, self.pp, self.per_worker)}
+        owner = schedules.stage_owners(self.schedule_name, self.pp, self.per_worker)
         mine = {stage.index: stage for stage in self.local}
         value: Any = None
         for index in range(self.num_stages):
@@ -321,14 +299,8 @@ class PipelineModule(nn.Module):
     def candidates(self, batch: int, schedule: str | None = None) -> list[int]:
         """Micro-batch counts a schedule (this module's by default) accepts for `batch` (equal micro-batches)."""
         name = schedule or self.schedule_name
-        ok = []
-        for m in divisors(batch):
-            if name == "1f1b" and m < self.num_stages:
-                continue
-            if name not in ("gpipe", "1f1b") and m % max(1, m // self.pp):
-                continue  # interleaved and zero-bubble schedules run whole rounds of pp micro-batches
-            ok.append(m)
-        return ok
+        rule = schedules.row(name)
+        return [m for m in divisors(batch) if rule.accepts(m, self.pp, self.per_worker)]
 
     def measure(self, inputs: Any, targets: Any, microbatches: int, repeats: int = 3,
                 schedule: str | None = None) -> float:
@@ -376,7 +348,7 @@ def _takes_return_outputs(schedule: Any) -> bool:
 
 def global_loss(local: torch.Tensor | None, replicas: int, device: torch.device) -> torch.Tensor:
     """The global-batch mean loss on every rank: only last-stage ranks hold one (one per replica)."""
-    from ..collectives import mean_later
+    from ...collectives import mean_later
 
     value = local if local is not None else torch.zeros((), device=device)
     return mean_later(value, divide_by=replicas)
@@ -385,7 +357,7 @@ def global_loss(local: torch.Tensor | None, replicas: int, device: torch.device)
 def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, device: torch.device) -> Any:
     """A forward-only pass of a pipeline (under no_grad): the outputs on the last stage (None elsewhere), or
     the mean loss over every replica's rows, weighted by rows, on every rank."""
-    from ..collectives import all_reduce
+    from ...collectives import all_reduce
 
     local = model(inputs, targets, loss_fn)
     if loss_fn is None:

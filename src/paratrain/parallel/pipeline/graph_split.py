@@ -24,9 +24,9 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from ..errors import ParatrainError
-from . import randomness
-from .batchnorm import defer_graph
+from ...errors import ParatrainError
+from .. import randomness
+from ..batchnorm import defer_graph
 from .tracing import Traced, module_path, module_types
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

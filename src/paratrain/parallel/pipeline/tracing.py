@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..errors import ParatrainError
+from ... import _forwards
+from ...errors import ParatrainError
 
 
 @dataclass
@@ -61,16 +62,14 @@ def _widen(value: Any) -> Any:
 def _plain_modules(model: nn.Module, training: bool) -> Iterator[None]:
     """The model in `training` mode with its own forwards (paratrain's layout-independent dropout is put
     back into the graph afterwards, not traced through), restored on exit."""
-    patched = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and m is not model}
     modes = {m: m.training for m in model.modules()}
     model.train(training)
     try:
-        yield
+        with _forwards.own_forwards(m for m in model.modules() if m is not model):
+            yield
     finally:
         for m, mode in modes.items():
             m.training = mode
-        for m, forward in patched.items():
-            m.forward = forward  # type: ignore[method-assign]
 
 
 def _export(model: nn.Module, example: Any, training: bool) -> fx.GraphModule:

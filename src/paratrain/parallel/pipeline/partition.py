@@ -21,13 +21,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .._tree import map_tensors
-from ..errors import ParatrainError
-from . import batchnorm, randomness
-from .batchnorm import defer_modules
+from ..._tree import map_tensors
+from ...errors import ParatrainError
+from .. import batchnorm, randomness
+from ..batchnorm import defer_modules
+from ..microbatch import batch_size
+from ..options import example_needed
 from .graph_split import GraphSegment, traced_segments
-from .microbatch import batch_size
-from .options import example_needed
 
 Layer = tuple[str, nn.Module]
 
@@ -181,7 +181,7 @@ def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = Fal
 
     where = next((p.device for p in model.parameters()), None)
     if where is not None:  # trace where the weights are (stages are placed on their devices afterwards)
-        from .._tree import map_tensors
+        from ..._tree import map_tensors
 
         example = map_tensors(lambda t: t.to(where), example)
     return traced_segments(model, trace(model, example), defer_batchnorm)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import _forwards
+
 _ACTION = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
 
 
@@ -118,13 +120,13 @@ def watch_stages(stages: Sequence[nn.Module],
         return run
 
     for stage, index in zip(stages, indices):
-        stage.forward = watched(stage.forward, index)  # type: ignore[method-assign]
+        _forwards.replace(stage, watched(stage.forward, index), "activation meter")
     try:
         with meter.measure():
             yield meter, first
     finally:
         for stage in stages:
-            del stage.forward  # the class's forward again
+            _forwards.restore(stage)
 
 
 def in_flight(pipeline_order: dict[int, list[Any]] | None, rank: int, stage_bytes: dict[int, int]) -> tuple[int, int]:

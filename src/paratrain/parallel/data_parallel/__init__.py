@@ -1,6 +1,6 @@
 """Data-parallel wrapping: DDP, the switch for its gradient synchronisation, and the plain micro-step.
 
-Strategies compose these functions (torchtitan's `apply_ddp` manner; FSDP2 lives in `parallel.fsdp`);
+Strategies compose these functions (torchtitan's `apply_ddp` manner; FSDP2 lives in `parallel.data_parallel.fsdp`);
 none of them knows about strategy names. `set_ddp_sync` is what `no_sync()` does, written as a
 persistent flag so a micro-step can be armed before the user's own forward runs (see `paratrain.step`).
 """
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import Config
-from ..errors import ParatrainError
+from ...config import Config
+from ...errors import ParatrainError
 
 
 class _DDP(DistributedDataParallel):
@@ -65,8 +65,8 @@ def apply_ddp(model: nn.Module, cfg: Config, device_ids: list[int] | None, proce
     if not any(p.requires_grad for p in model.parameters()):
         raise ParatrainError("DDP needs at least one parameter with requires_grad=True")
     if cfg.comm_hook == "auto":
+        from ..options import example_needed
         from . import ddp_tuning
-        from .options import example_needed
 
         if example is None:
             raise example_needed("comm_hook='auto'", "it times DDP's exact settings on trial steps")
@@ -121,8 +121,8 @@ def average_in_place(tensors: Iterable[torch.Tensor], group: Any, size: int) -> 
 def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: torch.device) -> Any:
     """The outputs of a forward pass, or given `loss_fn` the mean loss over every rank's rows (ranks may
     hold different numbers, as an evaluation loader gives them), on every rank."""
-    from ..collectives import all_reduce
-    from .microbatch import batch_size
+    from ...collectives import all_reduce
+    from ..microbatch import batch_size
 
     out = model(inputs)
     if loss_fn is None:
@@ -136,7 +136,7 @@ def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: 
 def forward_backward(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, backward: Any) -> torch.Tensor:
     """The plain micro-step (forward, loss, backward) on this rank's share; returns the mean loss over all
     ranks, each holding an equal share of the global batch (reduced asynchronously: see `mean_later`)."""
-    from ..collectives import mean_later
+    from ...collectives import mean_later
 
     loss = loss_fn(model(inputs), targets)
     backward(loss)

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ParatrainError, unknown_name
+from ...errors import ParatrainError, unknown_name
+from ..trial import no_trace, synchronize
 from .memory import ActivationMeter, param_bytes
 from .partition import Layer, check_balance, equal_balance, too_few_layers
-from .trial import no_trace, synchronize
 
 MODES = ("time", "memory", "equal")
 
