@@ -20,6 +20,8 @@ from zoo.reference import Optim, chunk, eval_batch, global_batches, rows, to_dev
 import paratrain
 
 EVAL_ROWS = 6
+CLIP = 0.05
+"""max_norm of the clipping cells: below every step's gradient norm of the models they run, so they clip."""
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,14 @@ class Cell:
     layout: str
     microbatches: int | None
     precision: str = "fp32"
+    clip: bool = False
+    """The loop clips the gradients by their norm (run.clip_grad_norm_) before each step."""
 
     @property
     def label(self) -> str:
         m = f" M={self.microbatches}" if self.microbatches is not None else ""
         p = " bf16" if self.precision == "bf16" else ""
-        return f"{self.model} / {self.layout}{m}{p}"
+        return f"{self.model} / {self.layout}{m}{p}{' clip' if self.clip else ''}"
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -156,6 +160,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         for i, (inputs, targets) in enumerate(loader):
             inputs, targets = to_device(inputs, run.device), to_device(targets, run.device)
             losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
+            if cell.clip:
+                run.clip_grad_norm_(model, CLIP)
             optimizer.step()
             optimizer.zero_grad()
             if not slow or i == len(batches) - 1:

@@ -11,7 +11,8 @@ Dropout cases are compared with a reference that restates paratrain's documented
 (zoo/dropout_rule.py), so they check the layouts against the rule, not the rule itself; test_dropout_stats.py
 checks the masks against statistics. bf16 cells are compared with plain torch.autocast, and every rank's
 weights must differ from float32 by more than zoo.compare.AUTOCAST_FLOOR (a rank that silently dropped autocast
-fails).
+fails). Clipping cells (`clip`) clip the gradients by the whole model's norm with run.clip_grad_norm_
+against torch.nn.utils.clip_grad_norm_ in the plain loop, in every column, at a max_norm every step exceeds.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 import zoo
-from matrix_cells import BY_NAME, EVAL_ROWS, LAYOUTS, Cell, run_column
+from matrix_cells import BY_NAME, CLIP, EVAL_ROWS, LAYOUTS, Cell, run_column
 from zoo.compare import AUTOCAST_FLOOR, max_diff, mismatches
 from zoo.dropout_rule import applies_to, layout_rule
 from zoo.reference import Record, eval_batch, global_batches, run_reference, torch_rng
@@ -50,6 +51,10 @@ def refused_cells() -> tuple[dict[str, str], int]:
 REFUSED, RECORDED = refused_cells()
 BF16_MODELS = ("mlp", "gpt", "llama")
 BF16_LAYOUTS = ("single", "ddp", "fsdp", "mp", "pp-gpipe")
+CLIP_MODELS = ("gpt", "hf_llama")
+"""Gradient clipping by the whole model's norm, in every column: GPT's head is tied to its embedding (a
+pipeline holds the tie on two ranks, to be counted once), Hugging Face Llama is the one tensor parallelism
+shards."""
 
 
 def expected_refusal(cell: Cell) -> str | None:
@@ -78,20 +83,25 @@ def cells_of(layout: str) -> list[Cell]:
     cells = [Cell(model, layout, mb) for model in models for mb in BY_NAME[layout].microbatches]
     if layout in BF16_LAYOUTS:
         cells += [Cell(model, layout, BY_NAME[layout].microbatches[0], "bf16") for model in BF16_MODELS]
+    first = BY_NAME[layout].microbatches[-1]  # pipelines: M=4, several micro-batches per stage
+    cells += [Cell(model, layout, first, clip=True) for model in CLIP_MODELS
+              if model in models and Cell(model, layout, first).label not in REFUSED]
     return cells
 
 
 @cache
-def reference(model: str, sizes: tuple[int, ...], precision: str) -> Record:
+def reference(model: str, sizes: tuple[int, ...], precision: str, clip: bool = False) -> Record:
     case = zoo.MODELS[model]
     rule = layout_rule if applies_to(case.build(0)) else torch_rng
-    return run_reference(case, global_batches(case, 0, sizes), precision=precision, dropout=rule,
-                         evaluate=eval_batch(case, rows=EVAL_ROWS))
+    record = run_reference(case, global_batches(case, 0, sizes), precision=precision, dropout=rule,
+                           evaluate=eval_batch(case, rows=EVAL_ROWS), clip=CLIP if clip else None)
+    assert not clip or min(record.grad_norms) > 2 * CLIP, f"{model}: norms {record.grad_norms} would not be clipped"
+    return record
 
 
 def _compare(cell: Cell, results: list[dict[str, Any]]) -> list[str]:
     case = zoo.MODELS[cell.model]
-    want = reference(cell.model, BY_NAME[cell.layout].sizes, cell.precision)
+    want = reference(cell.model, BY_NAME[cell.layout].sizes, cell.precision, cell.clip)
     tol = case.tolerances[cell.precision]
     if case.has(zoo.case.SLOW):  # the final weights only: a ResNet-50 state per step is hundreds of MB
         want = Record(initial=want.initial, losses=want.losses, weights=want.weights[-1:], eval_loss=want.eval_loss)

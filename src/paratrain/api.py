@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, collectives, runtime, strategies
+from . import checkpoint, collectives, grad_clip, runtime, strategies
 from .config import Config, make_config
 from .data import ShardedLoader, claim_weight
 from .errors import ParatrainError
@@ -45,6 +45,8 @@ class Run:
         self._saves = 0
         self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
         """Training loaders: the batch the latest one yielded sets how much the next micro-step's loss counts."""
+        self._optimizers: list[torch.optim.Optimizer] = []
+        """The prepared optimizers, whose fp16 gradients clip_grad_norm_ unscales first."""
         self.timing = Breakdown(ctx.device, enabled=config.profile)
         """The per-rank step breakdown (`setup(profile=True)` or `paratrain.profile(run)`); see observe/breakdown.py."""
         _, replicas = strategy.data_shard(ctx)
@@ -112,6 +114,7 @@ class Run:
         if optimizer is None:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
+        self._optimizers.append(optimizer)
         return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase)
 
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
@@ -149,6 +152,17 @@ class Run:
         weight = claim_weight(self._loaders)
         with self._watch.op_scope("backward"), self.step.micro(), self.timing.micro_step():  # DDP syncs in here
             self._scaled_backward(loss if weight.loss == 1.0 else loss * weight.loss)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` for the prepared `model` under any strategy: the norm is the whole
+        model's gradient's (over pipeline stages, FSDP shards, tensor-parallel pieces; replicas agree), every
+        rank scales by the same factor, and fp16 gradients are unscaled first. Call it where torch's would go:
+        after the window's last backward, before `optimizer.step()`. Returns the norm before clipping."""
+        if self.scaler is not None:
+            for optimizer in self._optimizers:
+                self.scaler.unscale_(optimizer)
+        return grad_clip.clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """One micro-step for any strategy (pipelines included): returns the global-batch mean loss on every rank

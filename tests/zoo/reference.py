@@ -76,6 +76,8 @@ class Record:
     """Gradients after the first backward, by every parameter name (a tied weight under both names)."""
     weights: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """state_dict after every optimizer step (parameters and buffers)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """With clipping: the whole gradient's norm before it, every step (so a test can see that it clipped)."""
     eval_loss: float | None = None
     eval_outputs: Any = None
     """model.eval() outputs on the evaluation batch: float32 tensors (a ModelOutput becomes a plain dict)."""
@@ -149,13 +151,14 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def run_reference(case: ZooCase, batches: Sequence[Batch], *, seed: int = 0, optim: Optim = Optim(),
                   precision: str = "fp32", device: str = "cpu", evaluate: Batch | None = None,
-                  accumulate: int = 1, dropout: DropoutRule = torch_rng) -> Record:
+                  accumulate: int = 1, dropout: DropoutRule = torch_rng, clip: float | None = None) -> Record:
     """Train `case` on `batches` (one optimizer step each) and record every step; see the module docstring.
 
     accumulate=k runs each batch as k contiguous micro-batches whose losses are weighted by their rows
     (exactly the full-batch mean loss): the legitimate reordering of sums any split makes, used by the
     zoo tests to measure how far an exact strategy may drift in each precision. It changes results by
-    construction for BatchNorm and dropout cases.
+    construction for BatchNorm and dropout cases. clip=c clips the gradients by their norm before every
+    step (torch.nn.utils.clip_grad_norm_), as most language-model loops do.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {sorted(PRECISIONS)}")
@@ -184,6 +187,8 @@ def run_reference(case: ZooCase, batches: Sequence[Batch], *, seed: int = 0, opt
         if step == 0:
             record.first_grads = {n: p.grad.detach().cpu().clone()
                                   for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+        if clip is not None:
+            record.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         record.weights.append(snapshot(model))
