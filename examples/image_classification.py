@@ -39,9 +39,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--precision", default="32")
-    parser.add_argument("--batchnorm", choices=("exact", "local"), default=None,
-                        help="exact: global-batch statistics (SyncBatchNorm, CUDA); local: each worker's own rows "
-                             "(default: exact on GPUs, local on CPU workers, where no exact form exists)")
+    parser.add_argument("--batchnorm", choices=("exact", "local"), default="exact",
+                        help="exact: the global batch's statistics, as one process (all-reduced on GPUs and CPU "
+                             "workers alike); local: each worker's own rows, DistributedDataParallel's default")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--log-dir", default=None, help="default: <checkpoint-dir>/logs, else runs/<date>-<time>")
     parser.add_argument("--progress", action="store_true", default=None,
@@ -49,8 +49,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="log where each step's time goes, per rank")
     args = parser.parse_args()
 
-    batchnorm = args.batchnorm or ("exact" if torch.cuda.is_available() else "local")
-    run = paratrain.setup(strategy=args.strategy, precision=args.precision, batchnorm=batchnorm,
+    run = paratrain.setup(strategy=args.strategy, precision=args.precision, batchnorm=args.batchnorm,
                           checkpoint_dir=args.checkpoint_dir, log_dir=args.log_dir, progress=args.progress,
                           profile=args.profile, seed=0)
     batch = run.per_worker_batch(args.global_batch)

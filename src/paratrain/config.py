@@ -60,9 +60,10 @@ class Config:
     """Time every step's data wait, compute, exposed communication and optimizer on each rank, for `run.log`
     (see observe/breakdown.py); costs a clock read per phase, and a device synchronisation on CUDA."""
     batchnorm: BatchNormMode = "exact"
-    """BatchNorm when a batch is split over workers or micro-batches: "exact" (whole-batch statistics:
-    SyncBatchNorm for data-parallel CUDA workers, otherwise a refusal) or "local" (each part normalised by
-    its own rows; pipelines still update running statistics once per step). See parallel/batchnorm.py."""
+    """BatchNorm when a batch is split over workers or micro-batches: "exact" (whole-batch statistics,
+    all-reduced over data-parallel workers on any device; refused for micro-batches and traced stages) or
+    "local" (each part normalised by its own rows; pipelines still update running statistics once per step).
+    See parallel/batchnorm.py."""
     bucket_cap_mb: float | None = None
     """DDP gradient bucket size in MiB (None: torch's 25)."""
     find_unused_parameters: bool = False

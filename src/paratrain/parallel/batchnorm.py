@@ -4,9 +4,10 @@ BatchNorm normalises with the statistics of the rows it sees. Split over data-pa
 into micro-batches that pass one after another, each part is normalised with its own statistics and
 the running statistics move once per part: the run no longer equals one process on the whole batch.
 
-    batchnorm="exact" (default)   whole-batch statistics or a refusal: data-parallel workers on CUDA use
-                                  torch's SyncBatchNorm (statistics of the global batch); CPU workers and
-                                  micro-batches have no exact form, so setup refuses with the options
+    batchnorm="exact" (default)   whole-batch statistics or a refusal: data-parallel workers use the
+                                  statistics of the global batch (torch's SyncBatchNorm on CUDA; elsewhere
+                                  `sync_modules`, the same all-reduce of sums and squares); micro-batches
+                                  and traced stages have no exact form, so setup refuses with the options
     batchnorm="local"             each worker's share / each micro-batch is normalised by its own rows (what
                                   DistributedDataParallel does by default); in pipelines the running
                                   statistics are still updated once per step, with the statistics of all
@@ -40,22 +41,72 @@ def _names(layers: list[str]) -> str:
 
 
 def for_replicas(model: nn.Module, mode: str, device: torch.device, replicas: int, syncable: bool,
-                 where: str) -> nn.Module:
-    """The model for `replicas` data-parallel workers: SyncBatchNorm where that is exact (CUDA, replicas
-    spanning the default group), unchanged with batchnorm="local", else refused."""
+                 where: str, modules_run: bool = False) -> nn.Module:
+    """The model for `replicas` data-parallel workers: global-batch statistics where that is exact (replicas
+    spanning the default group: torch's SyncBatchNorm on CUDA, `sync_modules` on other devices when the
+    BatchNorm modules run as modules, `modules_run`, not inside a traced graph), unchanged with
+    batchnorm="local", else refused."""
     layers = batchnorm_layers(model)
     if not layers or replicas < 2 or mode == "local":
         return model
     if device.type == "cuda" and syncable:
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    why = ("torch's SyncBatchNorm runs on CUDA only" if device.type != "cuda"
-           else "SyncBatchNorm would reduce over every worker, pipeline stages included")
+    if syncable and modules_run:
+        sync_modules(model)
+        return model
+    why = ("SyncBatchNorm would reduce over every worker, pipeline stages included" if not syncable
+           else "the model is traced into stages, where BatchNorm is no module to synchronise")
     raise ParatrainError(
         f"{where}: BatchNorm layers of {type(model).__name__} ({_names(layers)}) would normalise each of the "
         f"{replicas} data-parallel workers' shares with its own statistics, unlike one process ({why}). Pass "
         "setup(batchnorm='local') to accept per-worker statistics (DistributedDataParallel's default), or "
         "replace BatchNorm with GroupNorm/LayerNorm (per-sample statistics, exact under any split)"
     )
+
+
+def sync_modules(model: nn.Module) -> None:
+    """BatchNorm modules of `model` normalise by the statistics of the whole global batch: every worker's
+    per-channel sums, sums of squares and row counts are all-reduced (differentiably, so the backward is the
+    whole batch's too), as torch's CUDA-only SyncBatchNorm does, on any device and for uneven shares."""
+    for module in model.modules():
+        if isinstance(module, _BATCH_NORMS) and "forward" not in module.__dict__:
+            _forwards.replace(module, _synced_forward(module), "global-batch batchnorm")
+
+
+def _synced_forward(module: Any) -> Any:
+    from torch.distributed.nn.functional import all_reduce
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        batch_stats = module.training or module.running_mean is None
+        if not batch_stats:
+            return F.batch_norm(x, module.running_mean, module.running_var, module.weight, module.bias, False, 0.0,
+                                module.eps)
+        dims = [d for d in range(x.dim()) if d != 1]
+        wide = x.double()
+        rows = torch.full((1,), x.numel() // x.shape[1], dtype=torch.float64, device=x.device)
+        sums = all_reduce(torch.cat([wide.sum(dims), (wide * wide).sum(dims), rows]))
+        channels = x.shape[1]
+        count = sums[-1]
+        mean = sums[:channels] / count
+        var = sums[channels : 2 * channels] / count - mean * mean
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        out = (wide - mean.view(shape)) * torch.rsqrt(var.view(shape) + module.eps)
+        if module.weight is not None:
+            out = out * module.weight.double().view(shape) + module.bias.double().view(shape)
+        if module.training and module.running_mean is not None:
+            with torch.no_grad():
+                momentum = module.momentum
+                if module.num_batches_tracked is not None:
+                    module.num_batches_tracked.add_(1)
+                    if momentum is None:  # a cumulative average, as BatchNorm with momentum=None
+                        momentum = 1.0 / float(module.num_batches_tracked)
+                unbiased = var.detach() * count / torch.clamp(count - 1, min=1)
+                dtype = module.running_mean.dtype
+                module.running_mean.mul_(1 - momentum).add_(mean.detach().to(dtype), alpha=momentum)
+                module.running_var.mul_(1 - momentum).add_(unbiased.to(dtype), alpha=momentum)
+        return out.to(x.dtype)
+
+    return forward
 
 
 def check_microbatches(model: nn.Module, mode: str, microbatches: int | str, where: str) -> bool:

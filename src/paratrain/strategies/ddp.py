@@ -41,7 +41,7 @@ class DDP:
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
-                             "strategy 'ddp'").to(ctx.device)
+                             "strategy 'ddp'", modules_run=True).to(ctx.device)
         example = map_tensors(lambda t: t.to(ctx.device), example) if example is not None else None
         return apply_ddp(model, ctx.config, [ctx.device.index] if ctx.device.type == "cuda" else None,
                          example=example, device=ctx.device)

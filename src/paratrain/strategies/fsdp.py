@@ -44,7 +44,7 @@ class FSDP:
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
-                             "strategy 'fsdp'")
+                             "strategy 'fsdp'", modules_run=True)
         return apply_fsdp(model.to(ctx.device), precision=ctx.config.precision)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
