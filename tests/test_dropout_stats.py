@@ -185,8 +185,9 @@ def test_eval_mode_applies_no_dropout(single: dict[str, Any], launched: list[dic
                     for layout in ("ddp", "pp")]
     assert single["eval"] and launched[0]["ddp"]["eval"] and launched[1]["pp"]["eval"], "the dropout never ran"
     for where, calls in evaluations:
-        for inputs, outputs in calls:
-            assert torch.equal(inputs, outputs), f"{where}: evaluation changed {(inputs != outputs).sum()} elements"
+        for inputs, outputs in calls:  # NaN equals NaN: a pipeline stage's first call (torch's shape-learning
+            same = (inputs == outputs) | (inputs.isnan() & outputs.isnan())  # forward) sees uninitialised memory
+            assert bool(same.all()), f"{where}: evaluation changed {int((~same).sum())} elements"
 
 
 def _evaluate(run: paratrain.Run, model: nn.Module, x: torch.Tensor) -> None:

@@ -27,10 +27,10 @@ def plain_weights() -> dict[str, torch.Tensor]:
 
 def test_same_script_under_python_paratrain_run_and_torchrun(tmp_path: Path, plain_weights: dict) -> None:
     run = [sys.executable, "-m", "paratrain.cli", "run", "--nproc", "2", TOY]
-    commands = {  # paratrain run with workers started as new processes (the default) and forked warm
+    commands = {  # paratrain run with workers started as new processes (the default); the warm form, which the
+        # other launcher tests use (helpers.cli_env), is held to a spawned worker in test_warm_run.py
         "python": ([sys.executable, TOY], cli_env()),
         "paratrain-run": (run, cli_env(PARATRAIN_WARM_WORKERS="")),
-        "paratrain-run-warm": (run, cli_env()),
         "torchrun": ([str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", TOY], cli_env()),
     }
     for name, (cmd, env) in commands.items():

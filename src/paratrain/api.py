@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from . import checkpoint, collectives, grad_clip, runtime, strategies
 from .config import Config, make_config
 from .data import ShardedLoader, claim_weight
+from .data.plan import ONE, Weight
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
 from .observe import Breakdown, MetricLog
@@ -45,6 +46,7 @@ class Run:
         self._saves = 0
         self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
         """Training loaders: the batch the latest one yielded sets how much the next micro-step's loss counts."""
+        self._joining = False
         self._optimizers: list[torch.optim.Optimizer] = []
         """The prepared optimizers, whose fp16 gradients clip_grad_norm_ unscales first."""
         self.timing = Breakdown(ctx.device, enabled=config.profile)
@@ -170,14 +172,30 @@ class Run:
         Under torch.no_grad() nothing is trained: it is `evaluate(model, inputs, targets, loss_fn)`."""
         if not torch.is_grad_enabled():
             return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
-        weight = claim_weight(self._loaders)
-        if not self._loaders:  # no sharded loader says where this rank's rows start in the global batch
-            replica, _ = self.strategy.data_shard(self.ctx)
-            set_rows_before(replica * batch_size(inputs))
+        weight = claim_weight(self._loaders) if self._loaders else self._hand_sliced(inputs)
         with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
             loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
                                                   self.ctx)
         return loss if weight.window == 1.0 else loss / weight.window
+
+    def _hand_sliced(self, inputs: Any) -> Weight:
+        """With no sharded loader, the loop sliced the global batch itself: the replicas' row counts are
+        exchanged (one small all-reduce a micro-step) so that uneven slices (8, 8 and 5 rows) count by rows, as
+        the loader's shares do, and dropout masks follow each slice's global rows. Inside `run.join` the
+        ranks no longer step together, so slices count equally there, as under torch's Join."""
+        replica, replicas = self.strategy.data_shard(self.ctx)
+        rows = batch_size(inputs)
+        if replicas == 1 or self._joining or not collectives.active():
+            set_rows_before(replica * rows)
+            return ONE
+        counts = torch.zeros(replicas, dtype=torch.int64)
+        counts[replica] = rows
+        with self._watch.op_scope("row counts"):
+            counts = collectives.all_reduce(counts, op="max", device=self.device).cpu()
+        set_rows_before(int(counts[:replica].sum()))
+        if int(counts.min()) == int(counts.max()):
+            return ONE
+        return Weight(loss=rows * replicas / int(counts.sum()))
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None) -> Any:
         """A batch's outputs, or given `targets` and `loss_fn` its mean loss over every rank's rows, without
@@ -199,8 +217,12 @@ class Run:
         if not collectives.active():
             yield
             return
-        with Join([model]):  # type: ignore[list-item]
-            yield
+        self._joining = True
+        try:
+            with Join([model]):  # type: ignore[list-item]
+                yield
+        finally:
+            self._joining = False
 
     # -- communication --------------------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor | float, op: str = "mean") -> torch.Tensor:
