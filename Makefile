@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.[dev,bench,vision,notebook,hf,cluster,plan,tensorboard]' 2>&1 | { grep -v "is ignored" || true; }
 	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml, tensorboard, tqdm" 
+	@# The bytecode most processes need, compiled now on all cores: otherwise the suite's first processes, started
+	@# together, each compile torch (and the sympy that torch.export uses) before any of them has written it.
+	$(PY) -m compileall -q -j 0 $(addprefix "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/,torch torchvision sympy) > /dev/null || true
 	touch $(STAMP)
 
 lint: setup
