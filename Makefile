@@ -17,10 +17,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.[dev,bench,vision,notebook,hf,cluster,plan,tensorboard]' 2>&1 | { grep -v "is ignored" || true; }
-	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml, tensorboard, tqdm" 
 	@# The bytecode most processes need, compiled now on all cores: otherwise the suite's first processes, started
 	@# together, each compile torch (and the sympy that torch.export uses) before any of them has written it.
 	$(PY) -m compileall -q -j 0 $(addprefix "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/,torch torchvision sympy) > /dev/null || true
+	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml, tensorboard, tqdm" 
 	touch $(STAMP)
 
 lint: setup
@@ -30,8 +30,11 @@ typecheck: setup
 	$(VENV)/bin/mypy src/paratrain
 
 # the whole suite on two test processes (pytest-xdist; the matrix's two halves run side by side)
-test: setup lint typecheck
-	$(VENV)/bin/pytest -q -n 2 --dist loadscope
+test: setup lint
+	@# mypy (one core, about 25 s) runs beside the suite instead of before it; both must pass.
+	$(VENV)/bin/mypy src/paratrain > $(VENV)/mypy.log 2>&1 & typing=$$!; status=0; \
+	$(VENV)/bin/pytest -q -n 2 --dist loadscope || status=$$?; \
+	wait $$typing || { cat $(VENV)/mypy.log; exit 1; }; cat $(VENV)/mypy.log; exit $$status
 
 # pure logic and one-rank tests: the inner loop (about a minute after setup)
 test-quick: setup
