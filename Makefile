@@ -30,11 +30,8 @@ typecheck: setup
 	$(VENV)/bin/mypy src/paratrain
 
 # the whole suite on two test processes (pytest-xdist; the matrix's two halves run side by side)
-test: setup lint
-	@# mypy (one core, about 25 s) runs beside the suite instead of before it; both must pass.
-	$(VENV)/bin/mypy src/paratrain > $(VENV)/mypy.log 2>&1 & typing=$$!; status=0; \
-	$(VENV)/bin/pytest -q -n 2 --dist loadscope || status=$$?; \
-	wait $$typing || { cat $(VENV)/mypy.log; exit 1; }; cat $(VENV)/mypy.log; exit $$status
+test: setup lint typecheck
+	$(VENV)/bin/pytest -q -n 2 --dist loadscope
 
 # pure logic and one-rank tests: the inner loop (about a minute after setup)
 test-quick: setup
