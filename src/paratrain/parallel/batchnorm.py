@@ -95,15 +95,8 @@ def _synced_forward(module: Any) -> Any:
             out = out * module.weight.double().view(shape) + module.bias.double().view(shape)
         if module.training and module.running_mean is not None:
             with torch.no_grad():
-                momentum = module.momentum
-                if module.num_batches_tracked is not None:
-                    module.num_batches_tracked.add_(1)
-                    if momentum is None:  # a cumulative average, as BatchNorm with momentum=None
-                        momentum = 1.0 / float(module.num_batches_tracked)
-                unbiased = var.detach() * count / torch.clamp(count - 1, min=1)
-                dtype = module.running_mean.dtype
-                module.running_mean.mul_(1 - momentum).add_(mean.detach().to(dtype), alpha=momentum)
-                module.running_var.mul_(1 - momentum).add_(unbiased.to(dtype), alpha=momentum)
+                _update_running(module.running_mean, module.running_var, module.num_batches_tracked,
+                                module.momentum, mean.detach(), var.detach(), int(count))
         return out.to(x.dtype)
 
     return forward
@@ -169,15 +162,22 @@ def commit() -> None:
                 continue
             mean = pending.total / pending.rows
             var = pending.squares / pending.rows - mean * mean
-            unbiased = var * pending.rows / max(pending.rows - 1, 1)
-            if pending.tracked is not None:
-                pending.tracked.add_(1)
-            momentum = pending.momentum
-            if momentum is None:  # cumulative average, as BatchNorm with momentum=None
-                momentum = 1.0 / float(pending.tracked) if pending.tracked is not None else 0.0
-            pending.running_mean.mul_(1 - momentum).add_(mean.to(pending.running_mean.dtype), alpha=momentum)
-            pending.running_var.mul_(1 - momentum).add_(unbiased.to(pending.running_var.dtype), alpha=momentum)
+            _update_running(pending.running_mean, pending.running_var, pending.tracked, pending.momentum, mean, var,
+                            pending.rows)
     _PENDING.clear()
+
+
+def _update_running(running_mean: torch.Tensor, running_var: torch.Tensor, tracked: torch.Tensor | None,
+                    momentum: float | None, mean: torch.Tensor, var: torch.Tensor, rows: int) -> None:
+    """One BatchNorm update of the running statistics from a batch's mean and biased variance over `rows`,
+    as torch makes it (the variance made unbiased; momentum=None: a cumulative average)."""
+    unbiased = var * rows / max(rows - 1, 1)
+    if tracked is not None:
+        tracked.add_(1)
+    if momentum is None:
+        momentum = 1.0 / float(tracked) if tracked is not None else 0.0
+    running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+    running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
 
 
 def snapshot() -> dict[str, _Pending]:
