@@ -71,17 +71,25 @@ def test_refused_set_only_shrinks() -> None:
     assert len(REFUSED) == RECORDED, f"the refused set shrank to {len(REFUSED)}: lower the recorded count to match"
 
 
-SLOW_LAYOUTS = ("single", "mp")
-"""The layouts ResNet-50 (a slow case: 25M parameters, 15-20 s a cell) is tried in: one process and the
-tutorials' model split over two devices (pipelined with micro-batches by `mp` M=4, as their `split_size` loop
+SLOW_LAYOUTS = ("mp",)
+"""The layout ResNet-50 (a slow case: 25M parameters, 15-20 s a cell) is tried in: the tutorials' model split
+over two devices (pipelined with micro-batches by `mp` M=4, as their `split_size` loop
 is); every other layout, DDP's all-reduced BatchNorm and multi-process pipelines included, is covered by the
 small CNNs with BatchNorm (cnn_bn, cnn_bn_dropout)."""
 
 
+CUT_MODELS = ("gpt_flat",)
+"""Models for the layouts that cut the model (each with several micro-batches): what they test is where a
+cut falls, which nothing else in the matrix depends on."""
+
+
 def cells_of(layout: str) -> list[Cell]:
-    models = [m for m in BY_NAME[layout].models or zoo.MODELS
-              if layout in SLOW_LAYOUTS or not zoo.MODELS[m].has(zoo.case.SLOW)]
-    cells = [Cell(model, layout, mb) for model in models for mb in BY_NAME[layout].microbatches]
+    column = BY_NAME[layout]
+    models = [m for m in column.models or zoo.MODELS
+              if (layout in SLOW_LAYOUTS or not zoo.MODELS[m].has(zoo.case.SLOW))
+              and (m not in CUT_MODELS or column.microbatches[-1] is not None)]
+    cells = [Cell(model, layout, mb) for model in models for mb in column.microbatches
+             if model not in CUT_MODELS or mb == column.microbatches[-1]]
     if layout in BF16_LAYOUTS:
         cells += [Cell(model, layout, BY_NAME[layout].microbatches[0], "bf16") for model in BF16_MODELS]
     first = BY_NAME[layout].microbatches[-1]  # pipelines: M=4, several micro-batches per stage

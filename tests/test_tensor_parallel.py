@@ -1,16 +1,14 @@
 """N-D layouts beyond the matrix: HSDP (ddp+fsdp), the user's own loop (`run.backward`) under ddp+tp, a user
-`tp_plan` that makes a refused model train, a forward that would silently compute the wrong heads, and
-checkpoints that move between N-D layouts and `single`."""
+`tp_plan` that makes a refused model train, and a forward that would silently compute the wrong heads.
+Checkpoints across N-D layouts: tests/test_resume_layouts.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import zoo
-from helpers import max_diff
 from matrix_cells import full_state
 from zoo.compare import mismatches
 from zoo.reference import Optim, chunk, global_batches, run_reference
@@ -108,55 +106,3 @@ def test_a_tp_plan_of_the_users_makes_a_refused_model_train() -> None:
     assert "cannot shard the model's own forward (q, k, v, o): its output differs by" in said, said
 
 
-# -- checkpoints across layouts -------------------------------------------------------------------------
-def _prepared(strategy: str, ckpt: str, nproc_options: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
-    case = zoo.MODELS["hf_llama"]
-    run = paratrain.setup(strategy=strategy, seed=0, accelerator="cpu", timeout_s=120, checkpoint_dir=ckpt,
-                          **nproc_options)
-    model = case.build(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = run.prepare(model, optimizer, example=global_batches(case, 0, (2,))[0][0])
-    return run, model, optimizer, {"model": model, "optimizer": optimizer, "step": 0}
-
-
-def _steps(run: Any, model: Any, optimizer: Any, steps: range) -> dict[str, torch.Tensor]:
-    case = zoo.MODELS["hf_llama"]
-    replica, replicas = run.strategy.data_shard(run.ctx)
-    batches = global_batches(case, 0, (8, 8, 8, 8))
-    for step in steps:
-        inputs, targets = batches[step]
-        run.forward_backward(model, chunk(inputs, replicas)[replica], chunk(targets, replicas)[replica],
-                             case.loss_fn)
-        optimizer.step()
-        optimizer.zero_grad()
-    return full_state(run.unwrap(model))
-
-
-def _save_then_continue(ckpt: str) -> dict[str, Any]:
-    run, model, optimizer, state = _prepared("fsdp+tp", ckpt, {"tp_size": 2})
-    _steps(run, model, optimizer, range(2))
-    state["step"] = 2
-    run.save(state)
-    saved = {"weights": full_state(run.unwrap(model)), "after": _steps(run, model, optimizer, range(2, 4))}
-    run.close()
-    return saved
-
-
-def _resume(ckpt: str, strategy: str, options: dict[str, Any]) -> dict[str, Any]:
-    run, model, optimizer, state = _prepared(strategy, ckpt, options)
-    assert run.load(state) and state["step"] == 2
-    loaded = {"weights": full_state(run.unwrap(model)), "after": _steps(run, model, optimizer, range(2, 4))}
-    run.close()
-    return loaded
-
-
-@pytest.mark.timeout(240)
-def test_an_fsdp_tp_checkpoint_resumes_under_tp_and_single(tmp_path: Path) -> None:
-    saved = paratrain.launch(_save_then_continue, str(tmp_path), nproc=4, timeout=120, accelerator="cpu")
-    assert (tmp_path / "step-000000002" / "model" / ".metadata").exists()
-    tp = paratrain.launch(_resume, str(tmp_path), "tp", {}, nproc=2, timeout=120, accelerator="cpu")
-    one = paratrain.launch(_resume, str(tmp_path), "single", {}, nproc=1, timeout=60, accelerator="cpu")
-    for resumed in (tp, one):
-        assert max_diff(resumed["weights"], saved["weights"]) == 0.0
-        assert max_diff(resumed["after"], saved["after"]) < 1e-5  # Adam's moments came along
-    assert max_diff(saved["weights"], full_state(zoo.MODELS["hf_llama"].build(0))) > 1e-3

@@ -43,8 +43,8 @@ def _equal(a: object, b: object) -> bool:
 
 
 def test_zoo_covers_the_layouts_of_the_issue() -> None:
-    want = {"gpt", "gpt_dropout", "llama", "llama_tied", "cnn_bn", "cnn_bn_dropout", "resnet50", "mlp", "tied_seq",
-            "dict_io", "tuple_seq", "hf_gpt2", "hf_llama", "hf_bert", "hf_bert_kwargs"}
+    want = {"gpt", "gpt_dropout", "gpt_flat", "llama", "llama_tied", "cnn_bn", "cnn_bn_dropout", "resnet50", "mlp",
+            "tied_seq", "dict_io", "tuple_seq", "hf_gpt2", "hf_llama", "hf_bert", "hf_bert_kwargs"}
     assert set(zoo.MODELS) == want
     assert set().union(*(c.tags for c in zoo.MODELS.values())) == TAGS
     assert zoo.MODELS["gpt"].has("tied", "modulelist", "batch_shape") and not zoo.MODELS["gpt"].has(DROPOUT)

@@ -309,7 +309,8 @@ class Run:
             if target is None:
                 return False
             extra = checkpoint.load(target, state, rank=self.rank, world_size=self.world_size,
-                                    unwrap=self.strategy.unwrap, map_location=self.device, verified=not one)
+                                    unwrap=self.strategy.unwrap, map_location=self.device,
+                                    sharded_state=self.strategy.sharded_state, verified=not one)
         self.step.restore(int(extra.get("micro", 0)))
         self._saves = int(extra.get("step", -1)) + 1  # unnamed saves continue the numbering
         self._metrics.start(int(extra.get("step", 0)), self.step.count)  # the logs continue from this step

@@ -9,6 +9,7 @@ tolerances every strategy must meet against the plain-PyTorch reference (`zoo.re
 | case | what it exercises |
 | --- | --- |
 | gpt, gpt_dropout | nanoGPT: tok_emb + pos_emb, ModuleList blocks, tied head, view(b, t, h, d); dropout 0 / 0.1 |
+| gpt_flat | the GPT with its embeddings one child and three blocks as top-level children, untied head |
 | llama, llama_tied | RMSNorm, rotary embeddings, SwiGLU, no biases, ModuleList blocks; separate / tied head |
 | cnn_bn, cnn_bn_dropout | traced CNN (flatten in forward) with BatchNorm; without / with Dropout |
 | resnet50 | torchvision ResNet-50 at 32x32, 4 classes (slow: ~25M parameters) |
@@ -62,6 +63,9 @@ _CASES = [
     ZooCase(name="gpt_dropout", about="the GPT decoder with dropout p=0.1 (embeddings, attention, residuals)",
             build=partial(gpt.build_gpt, dropout=0.1), batch=data.lm_batch, loss_fn=data.lm_loss,
             tolerances=_tol(), tags=_DECODER | {TIED, DROPOUT}, lr=0.2),
+    ZooCase(name="gpt_flat", about="GPT laid out flat: embeddings one child, blocks top-level children, untied",
+            build=gpt.build_flat_gpt, batch=data.lm_batch, loss_fn=data.lm_loss, tolerances=_tol(),
+            tags=frozenset({BATCH_SHAPE, TRACED}), lr=0.2),
     ZooCase(name="llama", about="LLaMA block: RMSNorm, rotary, SwiGLU, no biases, ModuleList, separate head",
             build=llama.build_llama, batch=data.lm_batch, loss_fn=data.lm_loss, tolerances=_tol(),
             tags=_DECODER, lr=0.5),

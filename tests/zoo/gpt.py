@@ -83,6 +83,39 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class Embeddings(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos = nn.Embedding(cfg.block, cfg.dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
+
+
+class FlatGPT(nn.Module):
+    """The other way people lay a decoder out: the embeddings one child, each block a top-level child,
+    an untied head. Cut evenly into 4 stages, a stage boundary falls inside a block, so a residual is both
+    sent on and used by the stage itself (zero-bubble's split backward once failed on exactly that)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.embed = Embeddings(cfg)
+        self.block0, self.block1, self.block2 = (Block(cfg) for _ in range(3))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.apply(_init)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.block2(self.block1(self.block0(self.embed(idx))))
+        return self.head(self.ln_f(x))
+
+
+def build_flat_gpt(seed: int) -> FlatGPT:
+    with seeded(seed):
+        return FlatGPT(GPTConfig())
+
+
 def _init(module: nn.Module) -> None:
     """GPT-2's initialisation (normal 0.02, zero biases): the defaults of nn.Embedding (std 1) make the
     tied head's first logits huge."""

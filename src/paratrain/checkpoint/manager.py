@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, is_comm_failure
-from . import rng, sharded, store
+from . import portable, rng, sharded, store
 from . import state as state_mod
 from .state import Unwrap
 
@@ -96,7 +96,8 @@ def save(
             rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
             _torch_save({"state": rest, "extra": extra}, tmp / f"rank-{rank}.pt")
         else:
-            payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
+            payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}  # every rank: a
+            portable.record_names(payload["state"], user_state, unwrap)  # state_dict() may be collective
             if rank == 0:
                 _torch_save(payload, tmp / "shared.pt")
         _torch_save(rng.capture(), tmp / f"rng-{rank}.pt")
@@ -136,9 +137,12 @@ def check(path: str | Path, rank: int) -> None:
 
 def load(
     path: str | Path, user_state: dict[str, Any], *, rank: int, world_size: int, unwrap: Unwrap,
-    map_location: Any, verified: bool = False,
+    map_location: Any, sharded_state: bool = False, verified: bool = False,
 ) -> dict[str, Any]:
-    """Restore checkpoint `path` into `user_state` in place; returns the `extra` dict saved with it."""
+    """Restore checkpoint `path` into `user_state` in place; returns the `extra` dict saved with it.
+
+    Any checkpoint loads under any layout: a sharded one through DCP (each rank reads its slices), a
+    replicated one directly where every rank keeps the whole model, else through `portable`."""
     path = Path(path)
     if not verified:
         check(path, rank)
@@ -152,9 +156,20 @@ def load(
         skip = sharded.handled(user_state)
     else:
         file, skip = path / "shared.pt", set()
+    payload: dict[str, Any] = {}
+    portable_load = not meta.get("sharded") and sharded_state
+
+    def read() -> None:
+        payload.update(_torch_load(file, map_location))
+        if portable_load:
+            portable.check_whole(payload["state"], user_state, unwrap, path.name)
+
+    _everywhere(rank, read)
+    if portable_load:  # collective, so after the ranks agreed the checkpoint fits
+        portable.load_whole(payload["state"], user_state, unwrap)
+        skip = sharded.handled(user_state)
 
     def restore() -> None:
-        payload = _torch_load(file, map_location)
         try:
             missing = state_mod.apply(user_state, payload["state"], unwrap, skip=skip)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:

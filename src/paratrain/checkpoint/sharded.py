@@ -6,7 +6,10 @@ the slices it asks for, so a sharded run resumes even on another world size as l
 strategy's state-dict keys are the original model's parameter names (FSDP's are; a pipeline split
 that keeps the original module names is too). Optimizer state goes through torch's
 `get_optimizer_state_dict`, which keys it by parameter name instead of the per-rank integer ids a
-plain `optimizer.state_dict()` uses (those would collide between stages).
+plain `optimizer.state_dict()` uses (those would collide between stages), flattened: every
+parameter carries its own copy of its group's options (lr, betas, ...). Unflattened, the groups
+are one list per rank that DCP stores once, so a stage of another split found no group naming its
+parameters and stepped with no options.
 
 Everything else in the user's state (schedulers, the loader position, plain values) is small and
 written per rank by the manager with torch.save.
@@ -27,7 +30,7 @@ _DIR = "model"
 """Subdirectory of a checkpoint holding the DCP files."""
 
 
-def _base_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def base_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
@@ -40,7 +43,7 @@ def split(state: dict[str, Any], unwrap: Unwrap) -> tuple[dict[str, nn.Module], 
     for key, value in state.items():
         if not isinstance(value, torch.optim.Optimizer):
             continue
-        optimizer = _base_optimizer(value)
+        optimizer = base_optimizer(value)
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
         owners = [m for m in modules.values() if any(id(p) in params for p in m.parameters())]
         if not owners:
@@ -56,11 +59,17 @@ def handled(state: dict[str, Any]) -> set[str]:
     return {k for k, v in state.items() if isinstance(v, nn.Module | torch.optim.Optimizer)}
 
 
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _state_dicts(modules: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, Any]]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {f"model.{k}": get_model_state_dict(m) for k, m in modules.items()}
-    out.update({f"optim.{k}": get_optimizer_state_dict(m, o) for k, (m, o) in optimizers.items()})
+    out.update({f"optim.{k}": get_optimizer_state_dict(m, o, options=_options()) for k, (m, o) in optimizers.items()})
     return out
 
 
@@ -72,6 +81,34 @@ def save(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     dcp.save(_state_dicts(modules, optimizers), checkpoint_id=str(checkpoint / _DIR))
 
 
+def _check_fits(checkpoint: Path, target: dict[str, Any]) -> None:
+    """CheckpointError naming the model entries the checkpoint lacks or holds in another shape (read from
+    DCP's index on every rank, so every rank raises before the collective load)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        saved = FileSystemReader(str(checkpoint / _DIR)).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"sharded checkpoint {str(checkpoint)!r} has no readable index: {exc}") from None
+    for key, sd in target.items():
+        if not key.startswith("model."):
+            continue
+        missing, shapes = [], []
+        for name, value in sd.items():
+            entry = saved.get(f"{key}.{name}")
+            if entry is None:
+                missing.append(name)
+            elif (isinstance(entry, TensorStorageMetadata) and torch.is_tensor(value)
+                  and tuple(entry.size) != tuple(value.shape)):
+                shapes.append(f"{name} {tuple(entry.size)} vs {tuple(value.shape)}")
+        if missing or shapes:
+            what = (f"it has no {missing[:5]}" if missing else "") + ("; " if missing and shapes else "") + (
+                f"shapes differ: {shapes[:3]}" if shapes else "")
+            raise CheckpointError(f"sharded checkpoint {checkpoint.name} does not fit this model (state[{key[6:]!r}]): "
+                                  f"{what}; resume with the model that saved it")
+
+
 def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     """Collective: every rank reads the slices of the saved tensors that its own state dicts hold."""
     import torch.distributed.checkpoint as dcp
@@ -80,6 +117,7 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
 
     modules, optimizers = split(state, unwrap)
     target = _state_dicts(modules, optimizers)
+    _check_fits(checkpoint, target)
     try:
         dcp.load(target, checkpoint_id=str(checkpoint / _DIR))
     except (Exception, CheckpointException) as exc:
@@ -91,4 +129,4 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     for key, module in modules.items():
         set_model_state_dict(module, target[f"model.{key}"])
     for key, (module, optimizer) in optimizers.items():
-        set_optimizer_state_dict(module, optimizer, target[f"optim.{key}"])
+        set_optimizer_state_dict(module, optimizer, target[f"optim.{key}"], options=_options())

@@ -172,8 +172,13 @@ def _functional_dropout(node: fx.Node, model_name: str, what: str) -> ParatrainE
 
 
 def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary | None,
-                   outputs: _Boundary | None) -> fx.GraphModule:
-    """The nodes of one segment as a graph: inputs are the sent values (or the model's flat inputs)."""
+                   outputs: _Boundary | None, training: bool) -> fx.GraphModule:
+    """The nodes of one segment as a graph: inputs are the sent values (or the model's flat inputs).
+
+    A sent value that the segment also uses itself (a residual cut between a block's two halves) is sent
+    as a copy when training: zero-bubble schedules compute the input gradients first and then detach the
+    stage's outputs in place (torch's stage_backward_input), and the weight gradients that follow need
+    the value as the segment's own nodes saved it."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if inputs is None:
@@ -201,7 +206,14 @@ def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary |
         (result,) = next(n for n in gm.graph.nodes if n.op == "output").args
         graph.output(pytree.tree_map(lambda n: lookup(n) if isinstance(n, fx.Node) else n, result))
     else:
-        graph.output(tuple(lookup(n) for n in outputs.sent))
+        inside = set(nodes)
+
+        def sent(node: fx.Node) -> fx.Node:
+            if training and any(u in inside for u in node.users):
+                return graph.call_function(torch.clone, (lookup(node),))
+            return lookup(node)
+
+        graph.output(tuple(sent(n) for n in outputs.sent))
     graph.lint()
     return fx.GraphModule(gm, graph)
 
@@ -336,7 +348,8 @@ def traced_segments(model: nn.Module, traced: Traced, defer_batchnorm: bool = Fa
         cuts = _boundaries(gm, seg, len(order))
         nodes = [[n for n in _compute_nodes(gm) if seg[n] == k and n.op != "call_module"] for k in range(len(order))]
         graphs[training] = [_segment_graph(gm, nodes[k], cuts[k - 1] if k else None,
-                                           cuts[k] if k < len(order) - 1 else None) for k in range(len(order))]
+                                           cuts[k] if k < len(order) - 1 else None, training)
+                            for k in range(len(order))]
         info = gm.graph._codegen.pytree_info  # type: ignore[attr-defined]
         specs[training] = (info.in_spec, info.out_spec)
     return [(unit, GraphSegment(unit, {True: graphs[True][k], False: graphs[False][k]}, model, specs,
