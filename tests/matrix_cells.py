@@ -18,6 +18,8 @@ from torch.utils.data import DataLoader, Dataset
 from zoo.reference import Optim, chunk, eval_batch, global_batches, rows, to_device
 
 import paratrain
+from paratrain import _forwards
+from paratrain.parallel import activation_checkpoint
 
 EVAL_ROWS = 6
 CLIP = 0.05
@@ -75,12 +77,15 @@ class Cell:
     precision: str = "fp32"
     clip: bool = False
     """The loop clips the gradients by their norm (run.clip_grad_norm_) before each step."""
+    checkpointing: str = "none"
+    """setup(activation_checkpointing=...): recomputation must leave every result as it was."""
 
     @property
     def label(self) -> str:
         m = f" M={self.microbatches}" if self.microbatches is not None else ""
         p = " bf16" if self.precision == "bf16" else ""
-        return f"{self.model} / {self.layout}{m}{p}{' clip' if self.clip else ''}"
+        ac = f" ac={self.checkpointing}" if self.checkpointing != "none" else ""
+        return f"{self.model} / {self.layout}{m}{p}{' clip' if self.clip else ''}{ac}"
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -136,6 +141,13 @@ def placement(run: paratrain.Run, prepared: torch.nn.Module) -> dict[str, Any]:
             "stage_params": [sum(p.numel() for p in s.parameters()) for s in stages] if stages else None}
 
 
+def checkpointed(run: paratrain.Run, prepared: torch.nn.Module) -> tuple[int, int]:
+    """(units whose forward runs under activation checkpointing, units): blocks, or a stage's layers."""
+    units = (activation_checkpoint.stages(prepared) if run.strategy.microbatched
+             else activation_checkpoint.blocks(run.unwrap(prepared)))
+    return sum(activation_checkpoint.REASON in _forwards.replaced(u) for _, u in units), len(units)
+
+
 def run_cell(cell: Cell) -> dict[str, Any]:
     """The user's loop on one cell: losses and weights after every step, then an evaluation pass."""
     layout = BY_NAME[cell.layout]
@@ -143,6 +155,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     options = dict(layout.options)
     if cell.microbatches is not None:
         options["microbatches"] = cell.microbatches
+    if cell.checkpointing != "none":
+        options["activation_checkpointing"] = cell.checkpointing
     run = paratrain.setup(strategy=layout.strategy, seed=0, precision={"fp32": "32", "bf16": "bf16"}[cell.precision],
                           timeout_s=120,
                           accelerator="cpu", **options)
@@ -167,7 +181,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
             if not slow or i == len(batches) - 1:
                 weights.append(full_state(run.unwrap(model)))
         result: dict[str, Any] = {"losses": losses, "weights": weights, "rank": run.rank, "eval_loss": None,
-                                  "where": placement(run, model)}
+                                  "where": placement(run, model), "checkpointed": checkpointed(run, model)}
         if cell.microbatches in (None, 1) and cell.precision == "fp32":
             x, y = eval_batch(case, rows=EVAL_ROWS)
             x, y = (to_device(chunk(v, replicas)[replica], run.device) for v in (x, y))

@@ -13,6 +13,9 @@ checks the masks against statistics. bf16 cells are compared with plain torch.au
 weights must differ from float32 by more than zoo.compare.AUTOCAST_FLOOR (a rank that silently dropped autocast
 fails). Clipping cells (`clip`) clip the gradients by the whole model's norm with run.clip_grad_norm_
 against torch.nn.utils.clip_grad_norm_ in the plain loop, in every column, at a max_norm every step exceeds.
+Activation-checkpointing cells (`ac=full`, `ac=selective`, alternating by column) recompute in the backward
+and must still match the plain loop without checkpointing, with every block (every layer of a pipeline
+stage) of every rank checkpointed.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ whose head is tied to its embedding (a pipeline holds the tie on two ranks, to b
 tensor parallelism refuses GPT's fused projection, Hugging Face Llama, whose blocks it shards."""
 
 
+AC_MODELS = ("gpt_dropout", "hf_llama")
+"""Activation checkpointing, one cell a column, the first of these the column trains: the GPT with dropout (the
+recomputation must draw the forward's masks again) or, under tensor parallelism, Hugging Face Llama."""
+
+
 def expected_refusal(cell: Cell) -> str | None:
     return REFUSED.get(cell.label)
 
@@ -94,7 +102,10 @@ def cells_of(layout: str) -> list[Cell]:
         cells += [Cell(model, layout, BY_NAME[layout].microbatches[0], "bf16") for model in BF16_MODELS]
     first = BY_NAME[layout].microbatches[-1]  # pipelines: M=4, several micro-batches per stage
     clipped = [m for m in CLIP_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
-    return cells + [Cell(model, layout, first, clip=True) for model in clipped]
+    recomputed = [m for m in AC_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
+    mode = ("selective", "full")[[c.name for c in LAYOUTS].index(layout) % 2]  # zero-bubble: full
+    return (cells + [Cell(model, layout, first, clip=True) for model in clipped]
+            + [Cell(model, layout, first, checkpointing=mode) for model in recomputed])
 
 
 @cache
@@ -130,6 +141,9 @@ def _compare(cell: Cell, results: list[dict[str, Any]]) -> list[str]:
             if max_diff(common, fp32.weights[-1]) <= AUTOCAST_FLOOR:
                 problems.append(f"rank {result['rank']}: bf16 weights equal the float32 reference's: autocast did "
                                 "not run")
+    if cell.checkpointing != "none":
+        problems += [f"rank {r['rank']}: {r['checkpointed'][0]} of {r['checkpointed'][1]} units checkpointed"
+                     for r in results if r["checkpointed"][0] != r["checkpointed"][1] or not r["checkpointed"][1]]
     return problems + spread(cell, [r["where"] for r in results])
 
 

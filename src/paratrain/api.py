@@ -24,6 +24,7 @@ from .data.plan import ONE, Weight
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
 from .observe import Breakdown, MetricLog
+from .parallel import activation_checkpoint
 from .parallel.microbatch import batch_size
 from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
 from .precision import apply_autocast, make_scaler
@@ -107,7 +108,12 @@ class Run:
         nn.Sequential and to measure layers for balance="time"/"memory"."""
         before = dict(model.named_parameters())
         apply_layout_dropout(model)
+        checkpointing = self.config.activation_checkpointing
+        if not self.strategy.microbatched:  # per block, before sharding (torchtitan's order)
+            activation_checkpoint.apply(activation_checkpoint.blocks(model), checkpointing)
         wrapped = self.strategy.wrap(model, self.ctx, example)
+        if self.strategy.microbatched:  # the blocks were traced into stages: per layer of a stage
+            activation_checkpoint.apply(activation_checkpoint.stages(wrapped), checkpointing)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)
         self.timing.track(wrapped)

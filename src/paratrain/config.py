@@ -21,6 +21,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "auto"]
 BalanceMode = Literal["time", "memory", "equal"]
 CommHook = Literal["auto", "bf16", "fp16", "powersgd"]
 BatchNormMode = Literal["exact", "local"]
+ActivationCheckpointing = Literal["none", "selective", "full"]
 
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)[1:]
 """Every strategy, in the order documentation lists them ("auto" is not one: it picks one)."""
@@ -64,6 +65,10 @@ class Config:
     all-reduced over data-parallel workers on any device; refused for micro-batches and traced stages) or
     "local" (each part normalised by its own rows; pipelines still update running statistics once per step).
     See parallel/batchnorm.py."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute activations in the backward instead of keeping them: "full" keeps each block's input only,
+    "selective" keeps matrix-multiplication outputs; per block (per layer of a pipeline stage), results
+    unchanged. See parallel/activation_checkpoint.py."""
     bucket_cap_mb: float | None = None
     """DDP gradient bucket size in MiB (None: torch's 25)."""
     find_unused_parameters: bool = False
@@ -131,6 +136,7 @@ def validate(cfg: Config) -> Config:
     check_choice("accelerator", cfg.accelerator, Accelerator)
     check_choice("schedule", cfg.schedule, Schedule)
     check_choice("batchnorm", cfg.batchnorm, BatchNormMode)
+    check_choice("activation_checkpointing", cfg.activation_checkpointing, ActivationCheckpointing)
     if cfg.comm_hook is not None:
         check_choice("comm_hook", cfg.comm_hook, CommHook)
     for name in ("grad_accum", "keep_last", "devices_per_worker", "stages_per_worker", "pp_size", "tp_size",

@@ -84,6 +84,26 @@ def restore(calls: dict[tuple[str, int, int], int]) -> None:
     _CTX.calls = dict(calls)
 
 
+Position = tuple[int, int, dict[tuple[str, int, int], int]]
+"""Where a forward stands: micro-step, rows before this worker's share, per-layer call counts."""
+
+
+def position() -> Position:
+    return _CTX.step, _CTX.rows_before, dict(_CTX.calls)
+
+
+@contextmanager
+def replaying(at: Position) -> Iterator[None]:
+    """Inside, forwards draw the masks they drew at `at` (a recomputation in the backward: activation
+    checkpointing); the current position is back afterwards."""
+    now = position()
+    _CTX.step, _CTX.rows_before, _CTX.calls = at[0], at[1], dict(at[2])
+    try:
+        yield
+    finally:
+        _CTX.step, _CTX.rows_before, _CTX.calls = now
+
+
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding values below 2**32."""
     x = x ^ (x >> 16)

@@ -31,6 +31,9 @@ class ScheduleRow:
     """The class for the V layout (2 stages per worker: rank r holds stage r and its mirror), if it has one."""
     needs_microbatches_per_stage: bool = False
     """M >= K: 1F1B's steady state needs a micro-batch in flight per stage."""
+    splits_backward: bool = False
+    """Runs each micro-batch's backward as two passes (input, then weight gradients); torch's selective
+    activation checkpointing allows one backward through what it recomputes, so the two do not combine."""
 
     @property
     def default_per_worker(self) -> int:
@@ -87,7 +90,8 @@ ROWS = (
     ScheduleRow("gpipe", "ScheduleGPipe", multi_stage=False),
     ScheduleRow("1f1b", "Schedule1F1B", multi_stage=False, needs_microbatches_per_stage=True),
     ScheduleRow("interleaved-1f1b", "ScheduleInterleaved1F1B", multi_stage=True),
-    ScheduleRow("zero-bubble", "ScheduleInterleavedZeroBubble", multi_stage=True, v_torch_name="ScheduleZBVZeroBubble"),
+    ScheduleRow("zero-bubble", "ScheduleInterleavedZeroBubble", multi_stage=True, v_torch_name="ScheduleZBVZeroBubble",
+                splits_backward=True),
 )
 NAMES = tuple(row.name for row in ROWS)
 _BY_NAME = {row.name: row for row in ROWS}
@@ -99,20 +103,27 @@ def row(name: str) -> ScheduleRow:
     return _BY_NAME[name]
 
 
-def auto_names(per_worker: int) -> list[str]:
+def auto_names(per_worker: int, checkpointing: str = "none") -> list[str]:
     """What schedule="auto" chooses among for `per_worker` stages per worker, the first tried first: the
-    schedules that run that many stages per worker in the loop layout, 1F1B first for one stage per worker."""
+    schedules that run that many stages per worker in the loop layout, 1F1B first for one stage per worker
+    (none that splits the backward under selective activation checkpointing)."""
     order = ("1f1b", "zero-bubble", "gpipe") if per_worker == 1 else ("interleaved-1f1b", "zero-bubble")
     return [name for name in order
-            if (per_worker == 1 or _BY_NAME[name].multi_stage) and not _BY_NAME[name].v_layout(per_worker)]
+            if (per_worker == 1 or _BY_NAME[name].multi_stage) and not _BY_NAME[name].v_layout(per_worker)
+            and not (checkpointing == "selective" and _BY_NAME[name].splits_backward)]
 
 
-def check(schedule: str, pp: int, per_worker: int, microbatches: int | str) -> None:
+def check(schedule: str, pp: int, per_worker: int, microbatches: int | str, checkpointing: str = "none") -> None:
     """Refuse a layout the schedule cannot run, before any process waits on a peer ("auto" chooses among
     what runs, so only a named schedule and a fixed micro-batch count are checked)."""
     if schedule == "auto":
         return
     rule = row(schedule)
+    if checkpointing == "selective" and rule.splits_backward:
+        raise ParatrainError(
+            f"schedule {schedule!r} runs each micro-batch's backward in two passes, and torch's selective "
+            "activation checkpointing allows one backward through what it recomputes; use "
+            "activation_checkpointing='full' (which zero-bubble runs) or another schedule")
     rule.check_stages(per_worker)
     if isinstance(microbatches, int):
         rule.check_microbatches(pp, per_worker, microbatches)
