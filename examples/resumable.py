@@ -155,12 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     resumed = run.load(state)
     ledger.write(event="start", step=state["step"], resumed=resumed, world=run.world_size)
 
+    staged = any(word in ("pp", "mp") for word in args.strategy.split("+"))  # model cut into stages
     stopped = False
     while loader.epoch < args.epochs and not stopped:
         for idx, x, y in loader:
             optimizer.zero_grad()
-            loss = loss_fn(model(x.to(run.device)), y.to(run.device))
-            run.backward(loss)
+            x, y = x.to(run.device), y.to(run.device)
+            if staged:  # a pipeline runs forward and backward together, as a schedule
+                run.forward_backward(model, x, y, loss_fn)
+            else:
+                run.backward(loss_fn(model(x), y))
             optimizer.step()
             scheduler.step()
             state["step"] += 1
@@ -173,10 +177,15 @@ def main(argv: list[str] | None = None) -> None:
                 run.print(f"stopping at step {state['step']} on request; checkpoint saved")
                 break
 
-    if not stopped and args.out and run.is_main:
-        final = {"model": run.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "step": state["step"]}
-        torch.save(final, args.out)
+    if not stopped and args.out:
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()  # FSDP: collective
+                   for k, v in run.unwrap(model).state_dict().items()}
+        final = {"model": weights, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "step": state["step"]}
+        if staged and run.world_size > 1:  # each pipeline rank holds its stage
+            torch.save(final, f"{args.out}.rank-{run.rank}")
+        elif run.is_main:
+            torch.save(final, args.out)
     ledger.write(event="end", step=state["step"], stopped=stopped)
     run.print(f"done at step {state['step']}")
     run.close()

@@ -23,8 +23,16 @@ def test_import_loads_no_strategy_module_until_one_is_asked_for() -> None:
             "if m.startswith('paratrain.strategies.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     before, after = out.stdout.splitlines()
-    assert before == "['paratrain.strategies.base']"
+    assert before == "[]"  # `import paratrain` imports neither strategies nor torch (see the next test)
     assert after == "['paratrain.strategies.base', 'paratrain.strategies.pp']"
+
+
+@pytest.mark.procs
+def test_the_command_line_refuses_bad_flags_without_importing_torch() -> None:
+    code = ("import sys, paratrain, paratrain.cli, paratrain.runtime, paratrain.launcher.cluster, "
+            "paratrain.launcher.cli_run; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 def test_one_table_lists_every_strategy_the_config_accepts() -> None:

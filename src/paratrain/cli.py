@@ -15,7 +15,9 @@ def _run(ns: argparse.Namespace) -> int:
     from .launcher.cli_run import run
     from .runtime import default_nproc, read_slurm, torchrun_variables
 
-    spec = LaunchSpec(nproc=default_nproc(), backend=ns.backend, init=ns.init, connect_timeout=ns.connect_timeout,
+    # the GPU count (torch's) only when no --nproc says how many: bad input is refused before torch loads
+    nproc = ns.nproc if ns.nproc is not None else default_nproc()
+    spec = LaunchSpec(nproc=nproc, backend=ns.backend, init=ns.init, connect_timeout=ns.connect_timeout,
                       timeout=ns.timeout)
     typed = cluster.NodeFlags(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                               master_port=ns.master_port, run_id=ns.run_id, max_restarts=ns.max_restarts)

@@ -25,10 +25,12 @@ import contextlib
 import os
 import time
 from datetime import datetime
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from .errors import ParatrainError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 try:
     import fcntl
@@ -54,6 +56,8 @@ def path_of(init: str) -> str | None:
 
 def open_store(path: str, world_size: int) -> dist.Store:
     """The FileStore at `path` for this process's process group, after the stale and writability checks."""
+    import torch.distributed as dist
+
     path = os.path.abspath(path)
     release(path)  # a process group of ours on it that was destroyed behind runtime's back
     fd = _open_lock(path)

@@ -14,12 +14,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from .config import Accelerator, check_choice
 from .errors import ParatrainError
+
+if TYPE_CHECKING:  # imported where used: the CLI reads the environment and refuses bad flags without torch
+    import torch
+    import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
@@ -159,7 +161,16 @@ def default_timeout_s() -> float:
     return float(value) if value else DEFAULT_TIMEOUT_S
 
 
+_GPU_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""Device nodes of NVIDIA, AMD (ROCm) and WSL GPUs: where none exists no GPU can be visible, and the CLI
+need not import torch (seconds) to count zero."""
+
+
 def cuda_count() -> int:
+    if not any(os.path.exists(path) for path in _GPU_DEVICE_FILES):
+        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -175,6 +186,7 @@ def default_nproc() -> int:
 
 def pick_device(accelerator: str, local_rank: int, per_worker: int = 1) -> torch.device:
     """The first device of this worker: a worker owning `per_worker` GPUs (ddp+mp) starts at local_rank*k."""
+    import torch
     if accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available()):
         n = cuda_count()
         if n == 0:
@@ -195,6 +207,7 @@ def pick_device(accelerator: str, local_rank: int, per_worker: int = 1) -> torch
 def mp_devices(requested: list[str] | None, device: torch.device, gpus: int) -> list[torch.device]:
     """Stage devices of a one-process pipeline ("mp"): as requested; else every visible GPU (two stages on
     the one GPU when there is only one, the tutorials' split); on CPU two stages on "cpu"."""
+    import torch
     if device.type != "cuda":
         return [torch.device("cpu")] * (len(requested) if requested else 2)
     if requested:
@@ -204,6 +217,7 @@ def mp_devices(requested: list[str] | None, device: torch.device, gpus: int) -> 
 
 def worker_devices(per_worker: int, device: torch.device) -> list[torch.device]:
     """The devices a "ddp+mp" worker owns: `per_worker` GPUs from its first one (or "cpu" each)."""
+    import torch
     if device.type != "cuda":
         return [torch.device("cpu")] * per_worker
     first = device.index or 0
@@ -221,6 +235,7 @@ def pick_backend(requested: str | None, device: torch.device) -> str:
 
 def _store_for(placement: Placement, init: str | None, timeout: timedelta) -> dist.Store | None:
     """Build the rendezvous store ourselves so an unreachable master fails fast with a clear message."""
+    import torch.distributed as dist
     init = init or env_flag("INIT")
     if init is not None:
         if init.startswith("file://"):
@@ -251,6 +266,7 @@ _GENERATION = [0]
 def _tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -> dist.Store:
     """One TCPStore per master address for the life of the process; each process group started on it
     gets its own key prefix, so a script may call setup()/close() several times."""
+    import torch.distributed as dist
     key = (host, port)
     if key not in _TCP_STORES:
         _TCP_STORES[key] = _connect_tcp_store(host, port, placement, timeout)
@@ -259,6 +275,7 @@ def _tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -
 
 
 def _connect_tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -> dist.Store:
+    import torch.distributed as dist
     connect = min(_connect_timeout(), timeout.total_seconds())
     try:
         return dist.TCPStore(
@@ -299,6 +316,7 @@ def _file_store(init: str, world_size: int) -> dist.Store:
 def init_process_group(
     placement: Placement, backend: str, init: str | None, timeout_s: float, device: torch.device
 ) -> None:
+    import torch.distributed as dist
     if dist.is_initialized():
         return
     timeout = timedelta(seconds=timeout_s)
@@ -321,6 +339,7 @@ def destroy_process_group() -> None:
     function's run and model) are collected first: freed after the group, at interpreter exit, their
     reducer's gloo threads can outlive the runtime and abort the process ("terminate called without an
     active exception")."""
+    import torch.distributed as dist
     if dist.is_initialized():
         import gc
 

@@ -90,10 +90,10 @@ def check_init(spec: LaunchSpec) -> None:
 
 
 def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = False) -> int:
-    check(spec, reach_master=not dry_run)
-    check_init(spec)
     if not os.path.exists(script):
         raise ParatrainError(f"script {script!r} not found")
+    check(spec, reach_master=not dry_run)
+    check_init(spec)
     if dry_run:
         print(dry_run_text(spec, script, script_args), flush=True)
         return 0
