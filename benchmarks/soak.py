@@ -49,7 +49,7 @@ def _command(folder: Path, strategy: str, epochs: int, *extra: str, restarts: in
     return [str(Path(sys.executable).parent / "paratrain"), "run", "--nproc", "2", "--max-restarts", str(restarts),
             str(EXAMPLE), "--checkpoint-dir", str(folder / "ckpt"), "--strategy", strategy, "--epochs", str(epochs),
             "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--every", "20", "--dropout", "0",
-            *extra]
+            *(["--microbatches", "2"] if "pp" in strategy else []), *extra]
 
 
 def _workers(marker: str) -> list[int]:
@@ -174,9 +174,9 @@ def main() -> None:
                                                str(folder / "soak.pt")), env=_env(), capture_output=True, text=True)
                 row["resumed_under"] = then
                 row["rc_resumed"] = done.returncode
-            reference_seconds = _reference(folder, strategy, epochs)
+            reference_seconds = _reference(folder / "reference", strategy, epochs)
             row["reference_seconds"] = round(reference_seconds, 1)
-            diff = _max_diff(_final(folder, "soak.pt"), _final(folder, "whole.pt"))
+            diff = _max_diff(_final(folder, "soak.pt"), _final(folder / "reference", "whole.pt"))
             row["max_weight_diff"] = diff
             row["weights_ok"] = diff == 0.0 if not then else diff < 1e-5
             replicas = 1 if strategy == "pp" else 2

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--hidden", type=int, default=32, help="width of the hidden layer (model and checkpoint size)")
     p.add_argument("--strategy", default="ddp")
+    p.add_argument("--microbatches", type=int, default=None, help="pipelines: micro-batches per step (default: tuned)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1,
                    help="masks come from each rank's generator: use 0 to compare runs on different world sizes")
@@ -137,8 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fault", default="", help="testing aid: KIND:RANK@STEP[,...]")
     args = p.parse_args(argv)
 
+    pipeline = {"microbatches": args.microbatches} if args.microbatches else {}
     run = paratrain.setup(strategy=args.strategy, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
-                          keep_last=args.keep_last)
+                          keep_last=args.keep_last, **pipeline)
     generation = int(run.all_reduce(torch.tensor(time.time_ns()), op="max"))
     ledger = Ledger(args.ledger, run.rank, generation)
     faults = Faults(args.fault, args.ledger, run.rank, ledger)

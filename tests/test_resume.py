@@ -280,13 +280,13 @@ def test_losing_one_of_two_nodes_continues_on_the_other(tmp_path: Path, referenc
     doomed = node(1, "--fault", "kill-node:*@7")
     try:
         out, _ = survivor.communicate(timeout=180)
-        doomed.communicate(timeout=30)
+        said, _ = doomed.communicate(timeout=30)
     finally:
         for proc in (survivor, doomed):
             if proc.poll() is None:
                 _kill_tree(proc)
     assert survivor.returncode == 0, out[-4000:]
-    assert doomed.returncode == -signal.SIGKILL
+    assert doomed.returncode == -signal.SIGKILL, said[-3000:]
 
     records = _records(tmp_path / "ledger")
     assert [(r["kind"], r["step"]) for r in records if r.get("event") == "fault"] == [("kill-node", 7)]

@@ -92,8 +92,14 @@ def check_init(spec: LaunchSpec) -> None:
 def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = False) -> int:
     if not os.path.exists(script):
         raise ParatrainError(f"script {script!r} not found")
-    check(spec, reach_master=not dry_run)
+    check(spec, reach_master=False)  # bad input refused before torch is imported
     check_init(spec)
+    if not dry_run:
+        # torch (seconds) before waiting for node 0: once node 0's store is up, this node joins at once
+        # instead of after an import that an elastic rendezvous's last call (3 s) may not wait for
+        import torch.distributed.run  # noqa: F401
+
+        check(spec, reach_master=True)
     if dry_run:
         print(dry_run_text(spec, script, script_args), flush=True)
         return 0
