@@ -149,11 +149,14 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="time under kills, all runs together")
     p.add_argument("--pace", type=float, default=1.0, help="scales the 30-90 s between kills")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--only", default=None, help="one of ddp, fsdp, pp: that run alone (its share of --minutes is all)")
+    p.add_argument("--epochs", type=int, default=None, help="instead of the epochs the calibration fits in the time")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     rng = random.Random(seed)
-    plan = [("ddp", "fsdp"), ("fsdp", None), ("pp", None)]
+    print(f"soak: seed {seed}", flush=True)  # recorded even if the run is stopped
+    plan = [(s, then) for s, then in (("ddp", "fsdp"), ("fsdp", None), ("pp", None)) if args.only in (None, s)]
     slot = args.minutes * 60 / len(plan)
     results = []
     with tempfile.TemporaryDirectory(prefix="paratrain-soak-") as tmp:
@@ -163,7 +166,7 @@ def main() -> None:
         for strategy, then in plan:
             folder = Path(tmp) / strategy
             # as many epochs as fill the slot, less what the expected restarts cost (a start-up each)
-            epochs = max(3, int((slot - slot / 60 / args.pace * startup) / per_epoch))
+            epochs = args.epochs or max(3, int((slot - slot / 60 / args.pace * startup) / per_epoch))
             first = epochs * 2 // 3 if then else epochs
             saves = (first * STEPS_PER_EPOCH) // 20
             faults = ",".join(f"kill-in-save:{rng.choice([0, 1])}@{20 * rng.randint(1, saves)}" for _ in range(2))
@@ -185,7 +188,7 @@ def main() -> None:
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tail"}), flush=True)
     report = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "cpus": os.cpu_count(), "seed": seed,
-              "minutes": args.minutes, "pace": args.pace, "runs": results,
+              "minutes": args.minutes, "pace": args.pace, "only": args.only, "runs": results,
               "ok": all(r["rc"] == 0 and r["weights_ok"] and r["every_sample_once"] for r in results)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

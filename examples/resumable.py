@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
 
     data, model = build(args.samples, args.dropout, args.hidden)
     loader = run.prepare_loader(DataLoader(data, batch_size=run.per_worker_batch(args.global_batch), shuffle=True))
-    model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    example = data.tensors[1][: run.per_worker_batch(args.global_batch)]  # pipelines measure their layers on it
+    model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2), example=example)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
     loss_fn = nn.MSELoss()
 
