@@ -96,8 +96,9 @@ def save(
             rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
             _torch_save({"state": rest, "extra": extra}, tmp / f"rank-{rank}.pt")
         else:
-            payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}  # every rank: a
-            portable.record_names(payload["state"], user_state, unwrap)  # state_dict() may be collective
+            # built on every rank, though rank 0 alone writes it: a user's state_dict() may be collective
+            payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
+            portable.record_names(payload["state"], user_state, unwrap)
             if rank == 0:
                 _torch_save(payload, tmp / "shared.pt")
         _torch_save(rng.capture(), tmp / f"rng-{rank}.pt")
