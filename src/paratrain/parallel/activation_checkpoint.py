@@ -15,6 +15,7 @@ would update its running statistics a second time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Literal
@@ -37,7 +38,9 @@ _SAVED_OPS = (
 """aten ops whose outputs selective checkpointing keeps."""
 
 
+@functools.cache
 def _policy() -> Any:
+    """Built once: every checkpointed forward of every step asks for it."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     saved = {getattr(torch.ops.aten, name).default for name in _SAVED_OPS if hasattr(torch.ops.aten, name)}
