@@ -12,20 +12,20 @@ workers gets one launch that trains all its models, one after the other.
 One GPU is enough: ddp and fsdp run one nccl worker (world size 1, what a lent machine has); the BatchNorm test
 runs two workers where two GPUs are visible. Without a GPU every test is skipped and says why.
 
-Estimated for one H100 (16 cores), not measured: no GPU was at hand when this was written. The host-side parts
-(tracing, launches, model builds) were timed on CPU workers; pytest's start and collection take ~15 s more.
+Measured on one H200 (16 cores, torch 2.11.0+cu130), 2026-11-27: every test passed (after the fix to traced
+pipeline stages placed on a GPU that the first run found, docs/benchmarks.md section G). Seconds per test:
 
-| test | estimate |
+| test | measured |
 | --- | --- |
-| single, 14 models (and the fp32 references, cached for the tests after it) | ~15 s |
-| ddp, 14 models fp32 + 3 bf16 + 2 fp16, one nccl worker | ~40 s |
-| fsdp, 14 models fp32 + 3 bf16, one nccl worker | ~40 s |
-| mp, both stages on cuda:0, 14 models (M=4; M=1 for BatchNorm) | ~25 s |
-| bf16 / fp16 under single, 8 cells; the same on 2 HF models | ~15 s |
-| ddp BatchNorm on GPUs (SyncBatchNorm) | ~15 s |
-| torch.compile'd gpt and cnn_bn (cold inductor compile) | ~60-90 s |
-| gpt bench, GPT-2 small, fp32 and bf16 | ~50 s + ~35 s |
-| in all, with tests/test_mp.py's GPU test (~10 s) | ~5-6 min |
+| single, 15 models (and the fp32 references, cached for the tests after it) | 12 s |
+| ddp, 15 models fp32 + 3 bf16 + 2 fp16, one nccl worker | 37-42 s |
+| fsdp, 15 models fp32 + 3 bf16, one nccl worker | 38-40 s |
+| mp, both stages on cuda:0, 15 models (M=4; M=1 for BatchNorm) | 28-32 s |
+| bf16 / fp16 under single, 8 cells; the same on 2 HF models | 10 s; 13 s |
+| ddp BatchNorm on GPUs (SyncBatchNorm) | 12-13 s |
+| torch.compile'd gpt and cnn_bn (cold inductor compile) | 34-42 s |
+| gpt bench, GPT-2 small, fp32 and bf16 | 46 s + 39 s |
+| in all, one after the other (make test-gpu), with tests/test_mp.py's GPU test (5 s) | about 5 min |
 """
 
 from __future__ import annotations

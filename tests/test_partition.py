@@ -195,3 +195,50 @@ def test_pipeline_layouts_are_validated_at_construction() -> None:
                   device=torch.device("cpu"))
     assert get("ddp+pp").data_shard(ctx) == (0, 2)
     assert stage_indices("zero-bubble", 0, 2, 2) == [0, 3] and stage_indices("interleaved-1f1b", 1, 2, 2) == [1, 3]
+
+
+
+class _Rotary(nn.Module):
+    """Positions made inside the forward under no_grad, as Hugging Face's rotary embeddings make them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            angle = torch.arange(x.shape[1], device=x.device).float()[:, None] * self.freq[None]
+        return x + angle.cos()
+
+
+class _Positional(nn.Module):
+    """Positions made at the top level, as the zoo's GPT and nanoGPT make them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.rot, self.out = nn.Linear(4, 4), _Rotary(), nn.Linear(4, 4)
+        self.pos = nn.Embedding(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        return self.out(self.rot(h))
+
+
+def test_a_model_traced_on_the_cpu_runs_where_its_stages_are_placed() -> None:
+    """torch.export writes the tracing device into the graph (`arange(..., device=cpu)`, also inside the subgraph
+    of a `no_grad` region): stages placed on another device (a GPU; `meta` here) must run there, or a model
+    traced on the CPU and placed on a GPU fails with torch's device mismatch (it did, on an H200)."""
+    torch.manual_seed(0)
+    model, x = _Positional(), torch.randn(3, 5, 4)
+    want = model(x)
+    stages = split_into_stages(layers_of(model, x), [2, 2])
+    out = x
+    for stage in stages:
+        out = stage(out)
+    assert torch.equal(out, want)
+    for stage in stages:
+        stage.to("meta")
+    out = x.to("meta")
+    for stage in stages:
+        out = stage(out)
+    assert out.device.type == "meta" and out.shape == want.shape

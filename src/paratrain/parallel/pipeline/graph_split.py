@@ -218,6 +218,19 @@ def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary |
     return fx.GraphModule(gm, graph)
 
 
+def _move_device_literals(gm: fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Every device argument equal to `old` in the graph's calls becomes `new`, also in the subgraphs of its
+    higher-order calls (torch.export wraps a `no_grad` region as `wrap_with_set_grad_enabled(False, submod)`)."""
+    def swap(value: Any) -> Any:
+        return new if isinstance(value, torch.device) and value == old else value
+
+    for graph_module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        for node in graph_module.graph.nodes:
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        graph_module.recompile()
+
+
 def _assign_attr(root: nn.Module, target: str, value: torch.Tensor) -> None:
     *path, name = target.split(".")
     module = root
@@ -303,14 +316,25 @@ class GraphSegment(nn.Module):
             if id(p) in used and not _has(self, name):
                 _attach_tensor(self, name, p, model)
         self._targets = targets
+        self._device = self._where()
+
+    def _where(self) -> torch.device | None:
+        return next((t.device for t in (*self.parameters(), *self.buffers())), None)
 
     def repoint(self) -> None:
-        """After moving (`.to`), buffers are new tensors: the graphs read them from the registered modules."""
+        """After moving (`.to`), buffers are new tensors: the graphs read them from the registered modules, and
+        the devices torch.export wrote into the graphs (`arange(..., device=cpu)`, a dtype/device assertion)
+        become the stage's, or a model traced on CPU and placed on a GPU mixes the two."""
         for target in self._targets:
             owner, _, attr = target.rpartition(".")
             value = getattr(self.get_submodule(owner) if owner else self, attr)
             for gm in self._graphs.values():
                 _assign_attr(gm, target, value)
+        where = self._where()
+        if where is not None and self._device is not None and where != self._device:
+            for gm in self._graphs.values():
+                _move_device_literals(gm, self._device, where)
+            self._device = where
 
     def forward(self, value: Any) -> Any:
         gm = self._graphs[self.training]
@@ -324,7 +348,11 @@ class GraphSegment(nn.Module):
                 )
         else:
             flat = list(value) if isinstance(value, tuple) else [value]
-        out = gm(*flat)
+        grad = torch.is_grad_enabled()
+        try:
+            out = gm(*flat)
+        finally:  # an exported graph switches grad mode by calls (`no_grad` regions), not by a `with`
+            torch.set_grad_enabled(grad)
         return pytree.tree_unflatten(list(out), out_spec) if self.last else tuple(out)
 
 
