@@ -20,6 +20,7 @@ from zoo.reference import Optim, chunk, eval_batch, global_batches, rows, to_dev
 import paratrain
 from paratrain import _forwards
 from paratrain.parallel import activation_checkpoint
+from paratrain.parallel import compile as compile_blocks
 
 EVAL_ROWS = 6
 CLIP = 0.05
@@ -69,6 +70,12 @@ LAYOUTS = [
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
+COMPILE_BACKEND = "aot_eager"
+"""The matrix's compile cells trace and compile every block through torch.compile's graph capture and autograd
+(AOTAutograd) without generating kernels: the layouts' part of compiling, exactly, in seconds; inductor's code
+generation (tolerance, not bit-exact) is checked in tests/test_compile.py."""
+
+
 @dataclass(frozen=True)
 class Cell:
     model: str
@@ -79,13 +86,16 @@ class Cell:
     """The loop clips the gradients by their norm (run.clip_grad_norm_) before each step."""
     checkpointing: str = "none"
     """setup(activation_checkpointing=...): recomputation must leave every result as it was."""
+    compiled: bool = False
+    """setup(compile=COMPILE_BACKEND): every block (every layer of a stage) compiled, results as they were."""
 
     @property
     def label(self) -> str:
         m = f" M={self.microbatches}" if self.microbatches is not None else ""
         p = " bf16" if self.precision == "bf16" else ""
         ac = f" ac={self.checkpointing}" if self.checkpointing != "none" else ""
-        return f"{self.model} / {self.layout}{m}{p}{' clip' if self.clip else ''}{ac}"
+        extra = (" clip" if self.clip else "") + ac + (" compiled" if self.compiled else "")
+        return f"{self.model} / {self.layout}{m}{p}{extra}"
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -148,6 +158,25 @@ def checkpointed(run: paratrain.Run, prepared: torch.nn.Module) -> tuple[int, in
     return sum(activation_checkpoint.REASON in _forwards.replaced(u) for _, u in units), len(units)
 
 
+def compiled_units(run: paratrain.Run, prepared: torch.nn.Module) -> tuple[int, int]:
+    """(units that run compiled, units): the same units as activation checkpointing's."""
+    units = (activation_checkpoint.stages(prepared) if run.strategy.microbatched
+             else activation_checkpoint.blocks(run.unwrap(prepared)))
+    return sum(compile_blocks.is_compiled(u) for _, u in units), len(units)
+
+
+def frames_given_up() -> int:
+    """Frames dynamo gave up compiling in this process so far (past its recompile limit they run eagerly):
+    a compiled cell whose blocks silently ran eagerly would match the reference too."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"] - counters["frames"]["ok"])
+
+
 def run_cell(cell: Cell) -> dict[str, Any]:
     """The user's loop on one cell: losses and weights after every step, then an evaluation pass."""
     layout = BY_NAME[cell.layout]
@@ -157,6 +186,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         options["microbatches"] = cell.microbatches
     if cell.checkpointing != "none":
         options["activation_checkpointing"] = cell.checkpointing
+    if cell.compiled:
+        options["compile"] = COMPILE_BACKEND
+    gave_up = frames_given_up()
     run = paratrain.setup(strategy=layout.strategy, seed=0, precision={"fp32": "32", "bf16": "bf16"}[cell.precision],
                           timeout_s=120,
                           accelerator="cpu", **options)
@@ -181,7 +213,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
             if not slow or i == len(batches) - 1:
                 weights.append(full_state(run.unwrap(model)))
         result: dict[str, Any] = {"losses": losses, "weights": weights, "rank": run.rank, "eval_loss": None,
-                                  "where": placement(run, model), "checkpointed": checkpointed(run, model)}
+                                  "where": placement(run, model), "checkpointed": checkpointed(run, model),
+                                  "compiled": (*compiled_units(run, model), frames_given_up() - gave_up)}
         if cell.microbatches in (None, 1) and cell.precision == "fp32":
             x, y = eval_batch(case, rows=EVAL_ROWS)
             x, y = (to_device(chunk(v, replicas)[replica], run.device) for v in (x, y))

@@ -25,6 +25,7 @@ from .errors import ParatrainError
 from .faults import StopRequest, Watch
 from .observe import Breakdown, MetricLog
 from .parallel import activation_checkpoint
+from .parallel import compile as compile_blocks
 from .parallel.microbatch import batch_size
 from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
 from .precision import apply_autocast, make_scaler
@@ -108,12 +109,16 @@ class Run:
         nn.Sequential and to measure layers for balance="time"/"memory"."""
         before = dict(model.named_parameters())
         apply_layout_dropout(model)
-        checkpointing = self.config.activation_checkpointing
+        checkpointing, compiling = self.config.activation_checkpointing, self.config.compile
         if not self.strategy.microbatched:  # per block, before sharding (torchtitan's order)
-            activation_checkpoint.apply(activation_checkpoint.blocks(model), checkpointing)
+            units = activation_checkpoint.blocks(model)
+            activation_checkpoint.apply(units, checkpointing)
+            compile_blocks.apply(units, compiling, self.device)
         wrapped = self.strategy.wrap(model, self.ctx, example)
         if self.strategy.microbatched:  # the blocks were traced into stages: per layer of a stage
-            activation_checkpoint.apply(activation_checkpoint.stages(wrapped), checkpointing)
+            units = activation_checkpoint.stages(wrapped)
+            activation_checkpoint.apply(units, checkpointing)
+            compile_blocks.apply(units, compiling, self.device)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)
         self.timing.track(wrapped)

@@ -69,6 +69,9 @@ class Config:
     """Recompute activations in the backward instead of keeping them: "full" keeps each block's input only,
     "selective" keeps matrix-multiplication outputs; per block (per layer of a pipeline stage), results
     unchanged. See parallel/activation_checkpoint.py."""
+    compile: bool | str = False
+    """torch.compile each block in place (after activation checkpointing, before FSDP/DDP/TP; per layer of a
+    pipeline stage): True for inductor, or a backend name ("aot_eager", ...). See parallel/compile.py."""
     bucket_cap_mb: float | None = None
     """DDP gradient bucket size in MiB (None: torch's 25)."""
     find_unused_parameters: bool = False
@@ -137,6 +140,10 @@ def validate(cfg: Config) -> Config:
     check_choice("schedule", cfg.schedule, Schedule)
     check_choice("batchnorm", cfg.batchnorm, BatchNormMode)
     check_choice("activation_checkpointing", cfg.activation_checkpointing, ActivationCheckpointing)
+    if not isinstance(cfg.compile, bool):  # a backend's name: torch's list (imports torch, which it will use)
+        from .parallel.compile import check_backend
+
+        check_backend(cfg.compile)
     if cfg.comm_hook is not None:
         check_choice("comm_hook", cfg.comm_hook, CommHook)
     for name in ("grad_accum", "keep_last", "devices_per_worker", "stages_per_worker", "pp_size", "tp_size",

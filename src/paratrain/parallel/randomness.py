@@ -157,13 +157,36 @@ def _next_call(key: str) -> int:
 _CHANNEL_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
 
+def _draw(module: nn.Module, key: str, x: torch.Tensor, channels: bool) -> torch.Tensor:
+    return dropout(x, module.p, module.training, key, _next_call(key), channels)  # type: ignore[arg-type]
+
+
+_module_draw: Any = _draw
+_graph_draw: Any = dropout
+
+
+def graph_dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0,
+                  channels: bool = False) -> torch.Tensor:
+    """`dropout` as a traced graph calls it (pipeline stages), through what `eager_under_compile` sets."""
+    return _graph_draw(x, p, train, key, call, channels)  # type: ignore[no-any-return]
+
+
+def eager_under_compile() -> None:
+    """From now on the masks are drawn eagerly inside compiled code: their position (micro-step, rows, call) is
+    Python state that torch.compile would bake into its graph and recompile for at every step, until it gave
+    up and ran the whole block eagerly. Called by `setup(compile=...)`; imports torch's compiler."""
+    global _module_draw, _graph_draw
+    if _module_draw is _draw:
+        _module_draw, _graph_draw = torch.compiler.disable(_draw), torch.compiler.disable(dropout)
+
+
 def _module_forward(module: nn.Module, key: str) -> Any:
     channels = isinstance(module, _CHANNEL_DROPOUTS)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not module.training or module.p == 0.0:  # an evaluation between steps draws nothing, counts no call
             return x
-        return dropout(x, module.p, module.training, key, _next_call(key), channels)  # type: ignore[arg-type]
+        return _module_draw(module, key, x, channels)  # type: ignore[no-any-return]
 
     return forward
 

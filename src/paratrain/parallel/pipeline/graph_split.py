@@ -148,7 +148,7 @@ def _rewrite_randomness(gm: fx.GraphModule, model_name: str) -> None:
         calls[key] = call + 1
         channels = node.target is torch.ops.aten.feature_dropout.default
         with gm.graph.inserting_after(node):
-            new = gm.graph.call_function(randomness.dropout, (x, p, train, key, call, channels))
+            new = gm.graph.call_function(randomness.graph_dropout, (x, p, train, key, call, channels))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -335,6 +335,11 @@ class GraphSegment(nn.Module):
             for gm in self._graphs.values():
                 _move_device_literals(gm, self._device, where)
             self._device = where
+
+    def compile_pieces(self) -> list[nn.Module]:
+        """What `setup(compile=...)` compiles: each graph apart, so every piece has its own compiled code
+        (segments share this class's forward, and one compiled forward for all would recompile per segment)."""
+        return list(self._graphs.values())
 
     def forward(self, value: Any) -> Any:
         gm = self._graphs[self.training]

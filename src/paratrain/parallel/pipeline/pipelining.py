@@ -79,10 +79,10 @@ class PipelineModule(nn.Module):
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
                  device: torch.device, microbatches: int | str, balance: Sequence[int] | Sequence[str] | str,
                  example: Any, group: Any = None, strategy: str = "pp", batchnorm: str = "exact",
-                 checkpointing: str = "none") -> None:
+                 checkpointing: str = "none", compiling: bool = False) -> None:
         super().__init__()
-        schedules.check(schedule, pp, per_worker, microbatches, checkpointing)
-        self._checkpointing = checkpointing
+        schedules.check(schedule, pp, per_worker, microbatches, checkpointing, compiling)
+        self._checkpointing, self._compiling = checkpointing, compiling
         self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
         self.num_stages = pp * per_worker
         self.ids = schedules.stage_indices(schedule, pp_rank, pp, per_worker)
@@ -158,7 +158,7 @@ class PipelineModule(nn.Module):
         # Forward-only passes run GPipe where one stage per worker allows: any micro-batch count works.
         name = (schedule or self.schedule_name) if training or self.per_worker > 1 else "gpipe"
         if name == "auto":  # a forward-only pass before the first step chose one
-            name = schedules.auto_names(self.per_worker, self._checkpointing)[0]
+            name = schedules.auto_names(self.per_worker, self._checkpointing, self._compiling)[0]
         key = (microbatches, _signature(inputs), training, loss, name)
         if key not in self._schedules:
             stages = [_pipeline_stage_class()(stage, i, self.num_stages, self.device, group=self.group)
@@ -229,8 +229,8 @@ class PipelineModule(nn.Module):
         if isinstance(self.microbatches, int):
             check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
         if self.microbatches == "auto" or self.schedule_name == "auto":
-            names = (schedules.auto_names(self.per_worker, self._checkpointing) if self.schedule_name == "auto"
-                     else [self.schedule_name])
+            names = (schedules.auto_names(self.per_worker, self._checkpointing, self._compiling)
+                     if self.schedule_name == "auto" else [self.schedule_name])
             fixed = self.microbatches if isinstance(self.microbatches, int) else None
             self.schedule_name, self.microbatches = tune_schedule(
                 self.plan, names, lambda name, m: self.measure(inputs, targets, m, schedule=name),

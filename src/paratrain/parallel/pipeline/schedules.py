@@ -103,27 +103,38 @@ def row(name: str) -> ScheduleRow:
     return _BY_NAME[name]
 
 
-def auto_names(per_worker: int, checkpointing: str = "none") -> list[str]:
+def _one_backward(checkpointing: str, compiling: bool) -> str | None:
+    """What allows a single backward pass through a micro-batch's graph, if anything does."""
+    if checkpointing == "selective":
+        return ("torch's selective activation checkpointing allows one backward through what it recomputes; use "
+                "activation_checkpointing='full' (which zero-bubble runs) or another schedule")
+    if compiling:
+        return ("a torch.compile'd block allows one backward (its compiled backward frees the saved tensors it "
+                "is given); use compile=False with this schedule, or another schedule (1f1b, interleaved-1f1b)")
+    return None
+
+
+def auto_names(per_worker: int, checkpointing: str = "none", compiling: bool = False) -> list[str]:
     """What schedule="auto" chooses among for `per_worker` stages per worker, the first tried first: the
     schedules that run that many stages per worker in the loop layout, 1F1B first for one stage per worker
-    (none that splits the backward under selective activation checkpointing)."""
+    (none that splits the backward where only one backward may run: selective checkpointing, compile)."""
     order = ("1f1b", "zero-bubble", "gpipe") if per_worker == 1 else ("interleaved-1f1b", "zero-bubble")
+    single = _one_backward(checkpointing, compiling) is not None
     return [name for name in order
             if (per_worker == 1 or _BY_NAME[name].multi_stage) and not _BY_NAME[name].v_layout(per_worker)
-            and not (checkpointing == "selective" and _BY_NAME[name].splits_backward)]
+            and not (single and _BY_NAME[name].splits_backward)]
 
 
-def check(schedule: str, pp: int, per_worker: int, microbatches: int | str, checkpointing: str = "none") -> None:
+def check(schedule: str, pp: int, per_worker: int, microbatches: int | str, checkpointing: str = "none",
+          compiling: bool = False) -> None:
     """Refuse a layout the schedule cannot run, before any process waits on a peer ("auto" chooses among
     what runs, so only a named schedule and a fixed micro-batch count are checked)."""
     if schedule == "auto":
         return
     rule = row(schedule)
-    if checkpointing == "selective" and rule.splits_backward:
-        raise ParatrainError(
-            f"schedule {schedule!r} runs each micro-batch's backward in two passes, and torch's selective "
-            "activation checkpointing allows one backward through what it recomputes; use "
-            "activation_checkpointing='full' (which zero-bubble runs) or another schedule")
+    why = _one_backward(checkpointing, compiling)
+    if why and rule.splits_backward:
+        raise ParatrainError(f"schedule {schedule!r} runs each micro-batch's backward in two passes, and {why}")
     rule.check_stages(per_worker)
     if isinstance(microbatches, int):
         rule.check_microbatches(pp, per_worker, microbatches)

@@ -83,6 +83,11 @@ def _export(model: nn.Module, example: Any, training: bool) -> fx.GraphModule:
 def trace(model: nn.Module, example: Any) -> Traced:
     """Both graphs of `model` for inputs shaped like `example` (one positional argument), any batch size."""
     name = type(model).__name__
+    if hasattr(model, "_orig_mod") and hasattr(model, "_torchdynamo_orig_callable"):
+        raise ParatrainError(
+            f"the model was torch.compile'd before run.prepare ({name} of "
+            f"{type(model._orig_mod).__name__}), and a pipeline cuts the model itself into stages; pass the "
+            "model before torch.compile and set setup(compile=True), which compiles each layer of each stage")
     example = _widen(example)
     try:
         train = _export(model, example, training=True)

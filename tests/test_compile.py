@@ -1,0 +1,92 @@
+"""`setup(compile=...)`: what it refuses, and inductor's generated code against the plain eager loop.
+
+The layouts are checked in the correctness matrix (compile cells, tests/test_matrix.py, with the aot_eager
+backend, whose results equal eager ones exactly); here inductor itself runs once, on the CPU, where it builds
+C++ kernels: a machine without a C++ compiler skips that test and says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from torch._dynamo.utils import counters
+from zoo.compare import mismatches
+from zoo.reference import Optim, global_batches, run_reference
+
+import paratrain
+from paratrain.parallel import activation_checkpoint
+from paratrain.parallel import compile as compile_blocks
+from paratrain.parallel.pipeline import schedules
+
+
+def test_compile_options_are_refused_with_their_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(paratrain.ParatrainError, match="not a torch.compile backend here.*aot_eager"):
+        paratrain.setup(strategy="single", compile="inductr")
+    with pytest.raises(paratrain.ParatrainError, match="True, False or a torch.compile backend name"):
+        paratrain.setup(strategy="single", compile=3)
+    # a named zero-bubble schedule runs the backward in two passes; "auto" leaves it out under compile
+    with pytest.raises(paratrain.ParatrainError, match="allows one backward.*compile=False"):
+        schedules.check("zero-bubble", 2, 2, 4, compiling=True)
+    assert "zero-bubble" in schedules.auto_names(1) and "zero-bubble" not in schedules.auto_names(1, compiling=True)
+
+    # no C++ compiler: refused at prepare, before anything is compiled, naming the install and aot_eager
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("CXX", raising=False)
+    run = paratrain.setup(strategy="single", compile=True, accelerator="cpu")
+    try:
+        model = zoo.MODELS["gpt"].build(0)
+        with pytest.raises(paratrain.ParatrainError, match="C\\+\\+ compiler.*g\\+\\+.*aot_eager"):
+            run.prepare(model)
+        assert compile_blocks.compiled(model) == 0
+    finally:
+        run.close()
+
+
+def test_a_model_compiled_before_prepare_is_refused_by_pipelines() -> None:
+    """A pipeline cuts the model itself: an OptimizedModule is refused with the option that compiles stages."""
+    case = zoo.MODELS["gpt"]
+    run = paratrain.setup(strategy="mp", devices=["cpu", "cpu"], balance="equal", microbatches=2, accelerator="cpu")
+    try:
+        model = torch.compile(case.build(0), backend="eager")
+        with pytest.raises(paratrain.ParatrainError, match="torch.compile'd before run.prepare.*compile=True"):
+            run.prepare(model, example=global_batches(case, 0, (4,))[0][0])
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_inductor_trains_like_the_eager_loop() -> None:
+    """compile=True (inductor, C++ kernels on the CPU): every block compiled, losses and weights at every step
+    like the plain eager loop within the fp32 tolerance, no new graph after the first steps and no frame given
+    up. The zoo's MLP: inductor's first compile costs 25 s here even for it, 45 s for the GPT; the transformer
+    blocks and dropout between compiled pieces are the matrix's compile cells' (aot_eager)."""
+    why = compile_blocks.missing_toolchain("inductor", torch.device("cpu"))
+    if why:
+        pytest.skip(why)
+    counters.clear()  # dynamo's process-wide counts: only this test's compiles
+    case = zoo.MODELS["mlp"]
+    sizes = (8, 8, 8, 8)
+    want = run_reference(case, global_batches(case, 0, sizes))
+    run = paratrain.setup(strategy="single", seed=0, compile=True, accelerator="cpu")
+    try:
+        model = case.build(0)
+        optimizer = Optim().make(model.parameters(), case)
+        model, optimizer = run.prepare(model, optimizer)
+        units = activation_checkpoint.blocks(run.unwrap(model))
+        assert compile_blocks.compiled(model) == len(units) >= 1
+        losses, weights, graphs = [], [], []
+        for inputs, targets in global_batches(case, 0, sizes):
+            losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
+            optimizer.step()
+            optimizer.zero_grad()
+            weights.append({k: v.detach().clone() for k, v in run.unwrap(model).state_dict().items()})
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        run.close()
+    problems = mismatches(losses, weights, want, case.tolerances["fp32"])
+    assert not problems, problems
+    assert graphs[1] == graphs[-1], f"dynamo compiled new graphs after the first steps: {graphs}"
+    frames = counters["frames"]  # a frame that hit the recompile limit counts in total, not in ok
+    assert frames["total"] == frames["ok"], f"dynamo gave up on {frames['total'] - frames['ok']} frame(s)"
