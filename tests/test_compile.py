@@ -12,6 +12,7 @@ import torch
 import zoo
 from torch._dynamo.utils import counters
 from zoo.compare import mismatches
+from zoo.dropout_rule import layout_rule
 from zoo.reference import Optim, global_batches, run_reference
 
 import paratrain
@@ -90,3 +91,32 @@ def test_inductor_trains_like_the_eager_loop() -> None:
     assert graphs[1] == graphs[-1], f"dynamo compiled new graphs after the first steps: {graphs}"
     frames = counters["frames"]  # a frame that hit the recompile limit counts in total, not in ok
     assert frames["total"] == frames["ok"], f"dynamo gave up on {frames['total'] - frames['ok']} frame(s)"
+
+
+@pytest.mark.timeout(120)
+def test_dropout_modules_between_compiled_blocks_draw_the_plain_loops_masks() -> None:
+    """compile="aot_eager" (exact) on the GPT with nn.Dropout modules inside its blocks: results equal to the plain
+    loop with paratrain's mask rule at every step, and dynamo gives up on no frame (inside a compiled block the
+    masks' position would recompile at every call, past torch's limit)."""
+    counters.clear()
+    case = zoo.MODELS["gpt_dropout"]
+    sizes = (8, 8, 4)
+    want = run_reference(case, global_batches(case, 0, sizes), dropout=layout_rule)
+    run = paratrain.setup(strategy="single", seed=0, compile="aot_eager", accelerator="cpu")
+    try:
+        model = case.build(0)
+        optimizer = Optim().make(model.parameters(), case)
+        model, optimizer = run.prepare(model, optimizer)
+        assert compile_blocks.compiled(model) == len(activation_checkpoint.blocks(run.unwrap(model))) > 1
+        losses, weights = [], []
+        for inputs, targets in global_batches(case, 0, sizes):
+            losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
+            optimizer.step()
+            optimizer.zero_grad()
+            weights.append({k: v.detach().clone() for k, v in run.unwrap(model).state_dict().items()})
+    finally:
+        run.close()
+    assert not mismatches(losses, weights, want, case.tolerances["fp32"])
+    assert max(abs(a - b) for a, b in zip(losses, want.losses)) == 0.0
+    frames = counters["frames"]
+    assert frames["total"] == frames["ok"] > 0, dict(frames)

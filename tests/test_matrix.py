@@ -15,7 +15,7 @@ fails). Clipping cells (`clip`) clip the gradients by the whole model's norm wit
 against torch.nn.utils.clip_grad_norm_ in the plain loop, in every column, at a max_norm every step exceeds.
 Activation-checkpointing cells (`ac=full`, `ac=selective`, alternating by column) recompute in the backward
 and must still match the plain loop without checkpointing, with every block (every layer of a pipeline
-stage) of every rank checkpointed. Compile cells (`compiled`, COMPILE_LAYOUTS) run setup(compile="aot_eager"):
+stage) of every rank checkpointed. Compile cells (`compiled`, COMPILE_MODELS) run setup(compile="aot_eager"):
 every block (every layer of a stage) of every rank compiled, and the results equal to the plain eager loop.
 """
 
@@ -61,16 +61,14 @@ whose head is tied to its embedding (a pipeline holds the tie on two ranks, to b
 tensor parallelism refuses GPT's fused projection, Hugging Face Llama, whose blocks it shards."""
 
 
-COMPILE_MODELS = ("gpt_dropout",)
-"""setup(compile=...), one cell in each of COMPILE_LAYOUTS: the GPT with dropout (its dropout layers run eagerly
-between compiled pieces)."""
-COMPILE_LAYOUTS = ("fsdp", "pp-1f1b", "pp-zero-bubble")
-"""Where compile cells run: the two ways the layouts change what is compiled (FSDP2 shards compiled blocks, whose
-parameters become DTensors; a pipeline compiles the traced layers of its stages) and zero-bubble, which refuses
-it. Compiling costs 20-30 s of CPU a cell here, so the other columns are left to what they share with these
-(single: tests/test_compile.py runs inductor itself; ddp wraps the blocks single compiles; mp, ddp+pp and the
-other schedules run pp's compiled stage layers; tp and fsdp+tp, whose DTensor blocks cost 40-80 s a cell, matched
-when tried, docs/usage.md)."""
+COMPILE_MODELS = {"fsdp": "gpt", "pp-1f1b": "gpt_dropout", "pp-zero-bubble": "gpt_dropout"}
+"""The compile cells, one in each of these columns: the two ways a layout changes what is compiled (FSDP2 shards
+compiled blocks, whose parameters become DTensors; a pipeline compiles the traced graphs of its stages, where the
+GPT's dropout runs eagerly between compiled pieces) and zero-bubble, which refuses it. Compiling costs 10-30 s of
+CPU a cell here, so the other columns are left to what they share with these (single, and nn.Dropout modules
+between compiled blocks: tests/test_compile.py; ddp wraps the blocks single compiles; mp, ddp+pp and the other
+schedules run pp's compiled stage graphs; tp and fsdp+tp, whose DTensor blocks cost 40-80 s a cell, matched when
+tried, docs/usage.md)."""
 
 
 AC_MODELS = ("gpt_dropout", "hf_llama")
@@ -116,8 +114,7 @@ def cells_of(layout: str) -> list[Cell]:
     first = BY_NAME[layout].microbatches[-1]  # pipelines: M=4, several micro-batches per stage
     clipped = [m for m in CLIP_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
     recomputed = [m for m in AC_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
-    compiled = [m for m in COMPILE_MODELS if m in models and layout in COMPILE_LAYOUTS
-                and Cell(m, layout, first).label not in REFUSED][:1]
+    compiled = [m for m in [COMPILE_MODELS.get(layout)] if m in models]
     mode = ("selective", "full")[[c.name for c in LAYOUTS].index(layout) % 2]  # zero-bubble: full
     return (cells + [Cell(model, layout, first, clip=True) for model in clipped]
             + [Cell(model, layout, first, checkpointing=mode) for model in recomputed]
