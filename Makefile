@@ -34,8 +34,7 @@ typecheck: setup
 test: setup lint
 	$(VENV)/bin/mypy src/paratrain > $(VENV)/mypy.log 2>&1 & checker=$$!; status=0; \
 	$(VENV)/bin/pytest -q -n 2 --dist loadscope || status=$$?; \
-	if wait $$checker; then cat $(VENV)/mypy.log; else cat $(VENV)/mypy.log; echo "mypy failed"; status=1; fi; \
-	exit $$status
+	wait $$checker || { status=1; echo "mypy failed:"; }; cat $(VENV)/mypy.log; exit $$status
 
 # pure logic and one-rank tests: the inner loop (about a minute after setup)
 test-quick: setup

@@ -151,18 +151,23 @@ def placement(run: paratrain.Run, prepared: torch.nn.Module) -> dict[str, Any]:
             "stage_params": [sum(p.numel() for p in s.parameters()) for s in stages] if stages else None}
 
 
-def checkpointed(run: paratrain.Run, prepared: torch.nn.Module) -> tuple[int, int]:
-    """(units whose forward runs under activation checkpointing, units): blocks, or a stage's layers."""
+def _units(run: paratrain.Run, prepared: torch.nn.Module) -> list[torch.nn.Module]:
+    """What activation checkpointing and compile apply to: the blocks, or the layers of this rank's stages."""
     units = (activation_checkpoint.stages(prepared) if run.strategy.microbatched
              else activation_checkpoint.blocks(run.unwrap(prepared)))
-    return sum(activation_checkpoint.REASON in _forwards.replaced(u) for _, u in units), len(units)
+    return [unit for _, unit in units]
+
+
+def checkpointed(run: paratrain.Run, prepared: torch.nn.Module) -> tuple[int, int]:
+    """(units whose forward runs under activation checkpointing, units)."""
+    units = _units(run, prepared)
+    return sum(activation_checkpoint.REASON in _forwards.replaced(u) for u in units), len(units)
 
 
 def compiled_units(run: paratrain.Run, prepared: torch.nn.Module) -> tuple[int, int]:
-    """(units that run compiled, units): the same units as activation checkpointing's."""
-    units = (activation_checkpoint.stages(prepared) if run.strategy.microbatched
-             else activation_checkpoint.blocks(run.unwrap(prepared)))
-    return sum(compile_blocks.is_compiled(u) for _, u in units), len(units)
+    """(units that run compiled, units)."""
+    units = _units(run, prepared)
+    return sum(compile_blocks.is_compiled(u) for u in units), len(units)
 
 
 def frames_given_up() -> int:

@@ -7,6 +7,8 @@ C++ kernels: a machine without a C++ compiler skips that test and says why.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import zoo
@@ -56,6 +58,29 @@ def test_a_model_compiled_before_prepare_is_refused_by_pipelines() -> None:
         run.close()
 
 
+def _train_compiled(model: str, sizes: tuple[int, ...], option: bool | str) -> dict[str, Any]:
+    """The plain loop through setup(strategy="single", compile=option), dynamo's counts from a clean start:
+    losses, weights and dynamo's graph count after every step, and how many blocks there are and run compiled."""
+    counters.clear()  # dynamo's process-wide counts: only this run's compiles
+    case = zoo.MODELS[model]
+    run = paratrain.setup(strategy="single", seed=0, compile=option, accelerator="cpu")
+    try:
+        net = case.build(0)
+        prepared, optimizer = run.prepare(net, Optim().make(net.parameters(), case))
+        out: dict[str, Any] = {"losses": [], "weights": [], "graphs": [], "compiled": compile_blocks.compiled(prepared),
+                               "blocks": len(activation_checkpoint.blocks(run.unwrap(prepared)))}
+        for inputs, targets in global_batches(case, 0, sizes):
+            out["losses"].append(float(run.forward_backward(prepared, inputs, targets, case.loss_fn)))
+            optimizer.step()
+            optimizer.zero_grad()
+            out["weights"].append({k: v.detach().clone() for k, v in run.unwrap(prepared).state_dict().items()})
+            out["graphs"].append(counters["stats"]["unique_graphs"])
+    finally:
+        run.close()
+    out["frames"] = dict(counters["frames"])  # a frame past the recompile limit counts in total, not in ok
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inductor_trains_like_the_eager_loop() -> None:
@@ -66,30 +91,14 @@ def test_inductor_trains_like_the_eager_loop() -> None:
     why = compile_blocks.missing_toolchain("inductor", torch.device("cpu"))
     if why:
         pytest.skip(why)
-    counters.clear()  # dynamo's process-wide counts: only this test's compiles
-    case = zoo.MODELS["mlp"]
-    sizes = (8, 8, 8, 8)
+    case, sizes = zoo.MODELS["mlp"], (8, 8, 8, 8)
     want = run_reference(case, global_batches(case, 0, sizes))
-    run = paratrain.setup(strategy="single", seed=0, compile=True, accelerator="cpu")
-    try:
-        model = case.build(0)
-        optimizer = Optim().make(model.parameters(), case)
-        model, optimizer = run.prepare(model, optimizer)
-        units = activation_checkpoint.blocks(run.unwrap(model))
-        assert compile_blocks.compiled(model) == len(units) >= 1
-        losses, weights, graphs = [], [], []
-        for inputs, targets in global_batches(case, 0, sizes):
-            losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
-            optimizer.step()
-            optimizer.zero_grad()
-            weights.append({k: v.detach().clone() for k, v in run.unwrap(model).state_dict().items()})
-            graphs.append(counters["stats"]["unique_graphs"])
-    finally:
-        run.close()
-    problems = mismatches(losses, weights, want, case.tolerances["fp32"])
+    got = _train_compiled("mlp", sizes, True)
+    assert got["compiled"] == got["blocks"] >= 1
+    problems = mismatches(got["losses"], got["weights"], want, case.tolerances["fp32"])
     assert not problems, problems
+    graphs, frames = got["graphs"], got["frames"]
     assert graphs[1] == graphs[-1], f"dynamo compiled new graphs after the first steps: {graphs}"
-    frames = counters["frames"]  # a frame that hit the recompile limit counts in total, not in ok
     assert frames["total"] == frames["ok"], f"dynamo gave up on {frames['total'] - frames['ok']} frame(s)"
 
 
@@ -98,25 +107,11 @@ def test_dropout_modules_between_compiled_blocks_draw_the_plain_loops_masks() ->
     """compile="aot_eager" (exact) on the GPT with nn.Dropout modules inside its blocks: results equal to the plain
     loop with paratrain's mask rule at every step, and dynamo gives up on no frame (inside a compiled block the
     masks' position would recompile at every call, past torch's limit)."""
-    counters.clear()
-    case = zoo.MODELS["gpt_dropout"]
-    sizes = (8, 8, 4)
+    case, sizes = zoo.MODELS["gpt_dropout"], (8, 8, 4)
     want = run_reference(case, global_batches(case, 0, sizes), dropout=layout_rule)
-    run = paratrain.setup(strategy="single", seed=0, compile="aot_eager", accelerator="cpu")
-    try:
-        model = case.build(0)
-        optimizer = Optim().make(model.parameters(), case)
-        model, optimizer = run.prepare(model, optimizer)
-        assert compile_blocks.compiled(model) == len(activation_checkpoint.blocks(run.unwrap(model))) > 1
-        losses, weights = [], []
-        for inputs, targets in global_batches(case, 0, sizes):
-            losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
-            optimizer.step()
-            optimizer.zero_grad()
-            weights.append({k: v.detach().clone() for k, v in run.unwrap(model).state_dict().items()})
-    finally:
-        run.close()
-    assert not mismatches(losses, weights, want, case.tolerances["fp32"])
-    assert max(abs(a - b) for a, b in zip(losses, want.losses)) == 0.0
-    frames = counters["frames"]
-    assert frames["total"] == frames["ok"] > 0, dict(frames)
+    got = _train_compiled("gpt_dropout", sizes, "aot_eager")
+    assert got["compiled"] == got["blocks"] > 1
+    assert not mismatches(got["losses"], got["weights"], want, case.tolerances["fp32"])
+    assert max(abs(a - b) for a, b in zip(got["losses"], want.losses)) == 0.0
+    frames = got["frames"]
+    assert frames["total"] == frames["ok"] > 0, frames
