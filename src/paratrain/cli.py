@@ -34,6 +34,10 @@ def _doctor(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     from .bench.cli import main as bench_main
 
+    if ns.plan:
+        from .bench_plan import make_plan
+
+        return bench_main(ns, planner=make_plan)
     return bench_main(ns)
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ParatrainError
+
+if TYPE_CHECKING:
+    from .planned import Planner
 
 DEFAULT_STRATEGIES = "single,dp,ddp,pp"
 PRECISIONS = ("32", "bf16", "16")
@@ -18,14 +21,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--workload", default="mlp", help="toy, mlp (default), convnet, resnet50 or gpt")
     which.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                        help="your model: factory(batch_size) -> (model, inputs, targets[, loss_fn])")
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+    p.add_argument("--strategies", default=None,
                    help=f"comma-separated, from single,dp,ddp,mp,pp,ddp+pp and N-D layouts such as "
-                        f"tp,fsdp+tp,ddp+tp (default {DEFAULT_STRATEGIES}); single always runs, as the baseline")
+                        f"tp,fsdp+tp,ddp+tp, or all (default {DEFAULT_STRATEGIES}; with --plan, every strategy the "
+                        f"planner predicts); single always runs, as the baseline")
+    p.add_argument("--plan", action="store_true",
+                   help="time only the layouts `paratrain plan` ranks fastest (--top of them; the planner picks "
+                        "degrees, micro-batches and schedule) and print predicted beside measured")
+    p.add_argument("--top", type=int, default=3, help="with --plan: how many of the planner's best layouts to time")
+    p.add_argument("--cluster", default="local",
+                   help="with --plan: the cluster the planner predicts for: local (this machine, measured first) "
+                        "or a spec file such as the cluster-local.json an earlier run wrote")
     p.add_argument("--workers", default=None, help="workers for ddp/pp/ddp+pp, e.g. 2 or 2,4 (default: GPUs, or 2)")
     p.add_argument("--microbatches", default="auto", help="auto (1,2,4,8 where they divide the batch) or e.g. 2,4,8")
-    p.add_argument("--schedule", default="1f1b",
-                   help="pipeline schedule(s) for pp, e.g. 1f1b or 1f1b,zero-bubble,interleaved-1f1b (the last two "
-                        "with 2 stages per worker)")
+    p.add_argument("--schedule", default=None,
+                   help="pipeline schedule(s) for pp, e.g. 1f1b (default) or 1f1b,zero-bubble,interleaved-1f1b (the "
+                        "last two with 2 stages per worker); with --plan, those the planner chooses among (default: "
+                        "every schedule)")
     p.add_argument("--comm-hook", default="none",
                    help="DDP gradient communication to time side by side, e.g. none,auto,bf16: none (torch's "
                         "defaults), auto (exact settings measured), bf16, fp16 or powersgd (lossy: the final "
@@ -68,11 +80,13 @@ def _comm_hooks(text: str) -> tuple[str, ...]:
 
 
 def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
-    parts = ["paratrain bench", f"--model {ns.model}" if ns.model else f"--workload {ns.workload}",
-             f"--strategies {ns.strategies}", f"--workers {','.join(map(str, workers))}",
-             f"--microbatches {ns.microbatches}", f"--schedule {settings.schedule}",
-             f"--batch-size {settings.batch}", f"--steps {settings.steps}", f"--warmup {settings.warmup}",
-             f"--repeat {settings.repeat}"]
+    parts = ["paratrain bench", f"--model {ns.model}" if ns.model else f"--workload {ns.workload}"]
+    parts += [f"--plan --top {ns.top} --cluster {ns.cluster}"] if ns.plan else []
+    parts += [f"--strategies {ns.strategies}"] if ns.strategies or not ns.plan else []
+    parts += [f"--schedule {ns.schedule}"] if ns.schedule or not ns.plan else []
+    parts += [f"--workers {','.join(map(str, workers))}", f"--microbatches {ns.microbatches}",
+              f"--batch-size {settings.batch}", f"--steps {settings.steps}", f"--warmup {settings.warmup}",
+              f"--repeat {settings.repeat}"]
     parts += [f"--precision {settings.precision}"] if settings.precision != "32" else []
     parts += ["--channels-last"] if settings.channels_last else []
     parts += [f"--image-size {settings.image}"] if settings.image else []
@@ -82,14 +96,19 @@ def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
     return " ".join(parts + [f"--out {ns.out}"])
 
 
-def main(ns: argparse.Namespace) -> int:
+def main(ns: argparse.Namespace, planner: Planner | None = None) -> int:
+    """`planner` ranks the layouts for --plan (paratrain/bench_plan.py's `make_plan`; bench does not import it)."""
     from ..measure import workloads
     from ..runtime import cuda_count
     from . import jobs as planning
-    from . import mfu, report, runner, schema
+    from . import mfu, planned, report, runner, schema
 
     gpus = cuda_count()
-    names = planning.parse_strategies(ns.strategies)
+    if ns.plan and ns.microbatches != "auto":
+        raise ParatrainError("--plan chooses the micro-batch count for each layout; drop --microbatches")
+    ns.strategies = ns.strategies or (None if ns.plan else DEFAULT_STRATEGIES)
+    ns.schedule = ns.schedule or (None if ns.plan else "1f1b")
+    names = planning.parse_strategies(ns.strategies or DEFAULT_STRATEGIES)
     workers = planning.parse_counts(ns.workers, "--workers") if ns.workers else [gpus or 2]
     microbatches = planning.parse_microbatches(ns.microbatches)
     workload = workloads.get(ns.model or ns.workload, image=ns.image_size, gpu=gpus > 0, gpt_size=ns.gpt_size)
@@ -99,10 +118,21 @@ def main(ns: argparse.Namespace) -> int:
         steps=_positive(ns.steps, workload.steps, "--steps"),
         warmup=_positive(ns.warmup, workload.warmup, "--warmup", minimum=0),
         repeat=_positive(ns.repeat, workload.repeat, "--repeat"),
-        schedule=",".join(planning.schedules(ns.schedule)), precision=ns.precision, channels_last=ns.channels_last,
-        comm_hooks=_comm_hooks(ns.comm_hook),
+        schedule=",".join(planning.schedules(ns.schedule or "1f1b")), precision=ns.precision,
+        channels_last=ns.channels_last, comm_hooks=_comm_hooks(ns.comm_hook),
     )
-    jobs = planning.build(names, workers, microbatches, settings, references=not ns.no_reference)
+    plan = None
+    if ns.plan:
+        if planner is None:
+            raise ParatrainError("bench --plan needs the planner; run it as `paratrain bench --plan`")
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plan = planner(ns.model or ns.workload, settings, workers, names if ns.strategies else None,
+                       planning.schedules(ns.schedule) if ns.schedule else None, ns.top, ns.cluster, out,
+                       say=lambda text: print(text, flush=True))
+        jobs = planned.jobs(plan, settings, references=not ns.no_reference)
+    else:
+        jobs = planning.build(names, workers, microbatches, settings, references=not ns.no_reference)
     model = workload.model()
     parameters = workloads.parameters(model)
     flops = mfu.count_step_flops(workload, settings.batch, model)
@@ -151,6 +181,8 @@ def main(ns: argparse.Namespace) -> int:
 
     runner.run_jobs(jobs, settings, ns.timeout, say=lambda text: print(text, flush=True), on_records=show)
     results["runs"] = finalise()
+    if plan is not None:
+        results["plan"] = planned.compare(plan, results["runs"])
     schema.validate(schema.as_json(results))
     for r in results["runs"]:
         if r.mfu is not None and r.mfu > 1:
@@ -174,6 +206,10 @@ def _write(results: dict[str, Any], out: Path) -> int:
     if best:
         print("\nbest of each strategy:")
         print("\n".join(f"  {c}" for c in best))
+    if "plan" in results:
+        from .planned import table
+
+        print("\n" + table(results["plan"]))
     print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}" + "".join(f", {p}" for p in written))
     failed = [r for r in results["runs"] if r.status == "failed"]
     if failed:

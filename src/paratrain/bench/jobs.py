@@ -70,6 +70,9 @@ class Settings:
     """DDP communication settings to time side by side (`--comm-hook`): none (torch's), auto, or a lossy one."""
     timeout_s: float = 120.0
     """Seconds a collective may wait inside a worker before the configuration is reported failed."""
+    stages_per_worker: int | None = None
+    """Stages per pipeline worker for the multi-stage schedules (None: each schedule's default); `--plan` sets what
+    the planner chose."""
 
 
 @dataclass(frozen=True)
@@ -108,10 +111,13 @@ class JobList:
 
 
 def parse_strategies(text: str) -> list[str]:
-    """The requested strategies in a fixed order, with `single` always first: every speedup is over it."""
+    """The requested strategies in a fixed order, with `single` always first: every speedup is over it. `all`: every
+    strategy the bench offers by name."""
     from ..parallel.dims import canonical, is_grammar
 
     names = [s.strip() for s in text.split(",") if s.strip()]
+    if names == ["all"]:
+        names = [*BENCH_STRATEGIES, *N_D_STRATEGIES]
     for i, name in enumerate(names):
         if name not in BENCH_STRATEGIES and is_grammar(name):
             names[i] = canonical(name)  # an N-D layout from the grammar (a preset's words in any order: the preset)
@@ -196,6 +202,8 @@ class _Builder:
             for m in counts:
                 for i, schedule in enumerate([first, "gpipe"] if first not in (None, "gpipe") else [first]):
                     per_worker = row(schedule).default_per_worker if schedule not in (None, "auto") else 1
+                    if i == 0 and per_worker > 1 and self.s.stages_per_worker:
+                        per_worker = self.s.stages_per_worker
                     extra = (("stages_per_worker", per_worker),) if per_worker > 1 else ()
                     options = {"microbatches": m, **({"schedule": schedule} if schedule else {}), **dict(extra)}
                     ctx = context(strategy.name, nproc, self.s, **options)

@@ -10,7 +10,8 @@
      "settings": {"steps", "warmup", "repeat", "schedule", "precision", "channels_last", "gpt_size"},
      "runs": [{"strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
                "samples_per_s", "tokens_per_s", "mfu", "speedup_vs_single", "scaling_efficiency", "bound",
-               "peak_memory_mb", "reference", "vs_reference", "status", "reason", "options", "final_loss"}, ...]}
+               "peak_memory_mb", "reference", "vs_reference", "status", "reason", "options", "final_loss"}, ...],
+     "plan": {...}}   # only from `bench --plan`: bench/planned.py's `compare` (predicted beside measured)
 
 `no-comm` (beside ddp) is the ceiling of data parallelism here: every worker computing its share with
 no communication. `microbatches` is null unless pipelined, `schedule` null unless `pp`-like; derived numbers are null
