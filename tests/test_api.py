@@ -22,6 +22,17 @@ def test_per_worker_batch_names_the_arithmetic() -> None:
     run.close()
 
 
+def test_strategy_auto_says_what_it_chose_and_how_to_have_layouts_ranked(capsys: pytest.CaptureFixture[str]) -> None:
+    run = paratrain.setup()
+    assert run.strategy.name == "single"
+    run.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "strategy auto" in line]
+    assert lines == ["paratrain: strategy auto -> single (1 process(es)); to have the layouts for your model ranked "
+                     "and timed: paratrain bench --plan --model module:factory"]
+    paratrain.setup(strategy="single").close()
+    assert "strategy auto" not in capsys.readouterr().out
+
+
 def test_evaluate_trains_nothing_counts_no_step_and_restores_the_mode() -> None:
     torch.manual_seed(0)
     run = paratrain.setup(strategy="single")

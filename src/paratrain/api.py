@@ -342,7 +342,8 @@ def setup(**kwargs: Any) -> Run:
     runtime.install_error_file_hook()  # first: a bad option is then reported by the launcher like any error
     config = make_config(kwargs)
     placement = runtime.read_placement()
-    if config.strategy == "auto":
+    auto = config.strategy == "auto"
+    if auto:
         config.strategy = "ddp" if placement.world_size > 1 else "single"
     strategy = strategies.get(config.strategy)
     device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
@@ -358,6 +359,9 @@ def setup(**kwargs: Any) -> Run:
     stop = StopRequest(grace_s=timeout)
     stop.install()
     run = Run(config, strategy, ctx, watch, stop)
+    if auto:
+        run.print(f"paratrain: strategy auto -> {config.strategy} ({placement.world_size} process(es)); to have "
+                  "the layouts for your model ranked and timed: paratrain bench --plan --model module:factory")
     _seed(config.seed)
     set_seed(config.seed)
     return run
