@@ -87,6 +87,9 @@ def test_bad_plan_flags_fail_fast_naming_the_fix(tmp_path: Path, capsys: pytest.
     assert cli_main(["bench", "--plan", "--top", "0", "--cluster", str(spec), "--workload", "toy",
                      "--out", str(tmp_path / "out")]) == 2
     assert "--top must be >= 1" in capsys.readouterr().err
+    assert cli_main(["bench", "--plan", "--cluster", "h100-nvlink", "--workload", "toy",
+                     "--out", str(tmp_path / "out")]) == 2
+    assert "describes cuda devices but the bench runs on CPU workers" in capsys.readouterr().err
 
 
 @pytest.mark.procs

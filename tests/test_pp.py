@@ -37,6 +37,14 @@ def _cases(tmp: str) -> dict[str, Any]:
     model = run.prepare(make_model(), example=torch.randn(8, 8))
     out["uneven"] = caught(run.forward_backward, model, torch.randn(6, 8), torch.randn(6, 4),
                            torch.nn.functional.mse_loss)
+    # torch's clip_grad_norm_ on a stage's parameters is refused; run.clip_grad_norm_ is the whole model's norm
+    run.forward_backward(model, torch.randn(8, 8), torch.randn(8, 4), torch.nn.functional.mse_loss)
+    out["torch_clip"] = caught(torch.nn.utils.clip_grad_norm_, model.parameters(), 0.5)
+    out["clip_norm"] = float(run.clip_grad_norm_(model, 0.5))
+    other = torch.nn.Linear(3, 3)
+    other(torch.ones(2, 3)).sum().backward()
+    out["other_clip"] = (float(torch.nn.utils.clip_grad_norm_(other.parameters(), 0.5)),
+                         float(torch.linalg.vector_norm(torch.cat([q.grad.flatten() for q in other.parameters()]))))
     # save after 2 steps with an unequal split; resume in a fresh run that splits differently
     train("pp", schedule="1f1b", microbatches=2, balance=[2, 7], save_to=tmp)
     ckpt = sorted(p for p in Path(tmp).iterdir() if p.is_dir())[-1]
@@ -73,6 +81,9 @@ def test_pipeline_schedules_match_single_process(tmp_path: Path) -> None:
         assert all(m["in_flight_bound"] <= 2 for m in res["1f1b"]["plan"]["memory"])  # 1F1B: at most K
         assert all(m["peak_activation_bytes"] > 0 and m["params_bytes"] > 0 for m in mem)
         assert "batch 6 cannot be split into 4 micro-batches" in res["uneven"] and "microbatches=3" in res["uneven"]
+        assert f"pipeline rank {rank}'s stages" in res["torch_clip"] and "run.clip_grad_norm_" in res["torch_clip"]
+        assert res["clip_norm"] > 0 and res["clip_norm"] == results[0]["clip_norm"]  # one norm, every rank
+        assert res["other_clip"][0] > 0.5 and res["other_clip"][1] == pytest.approx(0.5, rel=1e-5)  # torch's own
         assert {"rank-0.pt", "rank-1.pt", "rng-0.pt", "rng-1.pt"} <= set(res["files"])
         resumed = res["resumed"]
         assert resumed["plan"]["balance"] == [5, 4]  # another split than the saved [2, 7]: loaded by name

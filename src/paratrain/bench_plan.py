@@ -52,7 +52,14 @@ def make_plan(workload: str, settings: Settings, workers: list[int], strategies:
     wanted = plannable(strategies)
     request = command.PlanRequest(workload=workload, global_batch=settings.batch, cluster=cluster_name,
                                   precision=settings.precision, optimizer=OPTIMIZER)
+    if settings.gpus and cluster_name == "local":
+        raise ParatrainError("bench --plan on GPUs: --cluster local measures CPU workers; give a spec of these GPUs "
+                             "(--cluster h100-nvlink, or a file: docs/plan.md, Cluster specs)")
     cluster = command.load_cluster(cluster_name, out, say)
+    if (cluster.kind == "cuda") != bool(settings.gpus):
+        where = f"{settings.gpus} GPU(s)" if settings.gpus else "CPU workers"
+        raise ParatrainError(f"bench --plan: cluster {cluster.name!r} describes {cluster.kind} devices but the bench "
+                             f"runs on {where} here; give a spec of this machine's devices as --cluster")
     too_many = [n for n in workers if n > cluster.devices]
     if too_many:
         raise ParatrainError(f"bench --plan: --workers {max(too_many)} is more than the {cluster.devices} device(s) of "

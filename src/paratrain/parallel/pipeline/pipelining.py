@@ -38,7 +38,7 @@ from ..microbatch import batch_size, check_even, divisors, split
 from ..options import example_needed
 from ..plan import Plan
 from ..trial import step_time
-from . import schedules
+from . import clip_guard, schedules
 from .balance import choose_balance, describe
 from .memory import StageMemory, format_report, in_flight, param_bytes, watch_stages
 from .partition import Stage, layers_of, merged, split_into_stages
@@ -100,6 +100,8 @@ class PipelineModule(nn.Module):
         self._defer_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
         self.local = self._split(model, balance, example)
         self._registered = nn.ModuleList(self.local)
+        if pp > 1:
+            clip_guard.register(self.parameters(), pp_rank)
 
     # -- splitting --------------------------------------------------------------------------------
     def _split(self, model: nn.Module, requested: Sequence[int] | Sequence[str] | str, example: Any) -> list[Stage]:
