@@ -70,6 +70,27 @@ LAYOUTS = [
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
+LOOP_ACCUM = 2
+LOOP_OPTIM = Optim(name="adamw", lr=1e-3, weight_decay=0.01)
+"""The loop cells (`loop`): the training loop of a language-model fine-tune rather than plain SGD: two accumulation
+micro-steps per optimizer step, the embeddings frozen (and a head tied to them), AdamW with weight decay and a
+LambdaLR warm-up stepped when `run.sync_step` says the window ended."""
+
+
+def loop_frozen(name: str) -> bool:
+    return "emb" in name
+
+
+def loop_lr(step: int) -> float:
+    return min(1.0, (step + 1) / 2)
+
+
+def loop_sizes(layout: Layout) -> tuple[int, ...]:
+    """Global batches of the loop cells: two windows' worth per step; data-parallel columns end on a micro-step of
+    2 rows (1 per replica), pipelines keep whole micro-batches."""
+    return (16, 16, 10) if layout.microbatches == (None,) else (2 * layout.sizes[0],) * 3
+
+
 COMPILE_BACKEND = "aot_eager"
 """The matrix's compile cells trace and compile every block through torch.compile's graph capture and autograd
 (AOTAutograd) without generating kernels: the layouts' part of compiling, exactly, in seconds; inductor's code
@@ -88,13 +109,16 @@ class Cell:
     """setup(activation_checkpointing=...): recomputation must leave every result as it was."""
     compiled: bool = False
     """setup(compile=COMPILE_BACKEND): every block (every layer of a stage) compiled, results as they were."""
+    loop: bool = False
+    """The fine-tuning loop (LOOP_ACCUM, loop_frozen, LOOP_OPTIM, loop_lr) instead of one SGD step per batch."""
 
     @property
     def label(self) -> str:
         m = f" M={self.microbatches}" if self.microbatches is not None else ""
         p = " bf16" if self.precision == "bf16" else ""
         ac = f" ac={self.checkpointing}" if self.checkpointing != "none" else ""
-        extra = (" clip" if self.clip else "") + ac + (" compiled" if self.compiled else "")
+        extra = ((" clip" if self.clip else "") + ac + (" compiled" if self.compiled else "")
+                 + (" loop" if self.loop else ""))
         return f"{self.model} / {self.layout}{m}{p}{extra}"
 
 
@@ -193,29 +217,47 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         options["activation_checkpointing"] = cell.checkpointing
     if cell.compiled:
         options["compile"] = COMPILE_BACKEND
+    if cell.loop:
+        options["grad_accum"] = LOOP_ACCUM
     gave_up = frames_given_up()
     run = paratrain.setup(strategy=layout.strategy, seed=0, precision={"fp32": "32", "bf16": "bf16"}[cell.precision],
                           timeout_s=120,
                           accelerator="cpu", **options)
     try:
         replica, replicas = run.strategy.data_shard(run.ctx)
-        batches = global_batches(case, 0, layout.sizes)
+        sizes = loop_sizes(layout) if cell.loop else layout.sizes
+        batches = global_batches(case, 0, sizes)
         model = case.build(0)
-        optimizer = Optim().make(model.parameters(), case)
-        mine = chunk(batches[0][0], replicas)[replica]
+        for name, param in model.named_parameters():
+            param.requires_grad_(not (cell.loop and loop_frozen(name)))
+        optim = LOOP_OPTIM if cell.loop else Optim()
+        optimizer = optim.make([p for p in model.parameters() if p.requires_grad], case)
+        mine = chunk(batches[0][0], replicas * (LOOP_ACCUM if cell.loop else 1))[replica]
         with trace_cache.for_case(cell.model):
             model, optimizer = run.prepare(model, optimizer, example=to_device(mine, run.device))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, loop_lr) if cell.loop else None
         slow = case.has(zoo.case.SLOW)
         losses, weights = [], []
-        loader = run.prepare_loader(DataLoader(_Rows(batches), batch_size=run.per_worker_batch(layout.sizes[0])))
-        for i, (inputs, targets) in enumerate(loader):
+        per_worker = run.per_worker_batch(sizes[0])
+        loader = run.prepare_loader(DataLoader(_Rows(batches), batch_size=per_worker))
+        left, summed, counted = sum(sizes), 0.0, 0  # the window's loss: its micro-steps' losses weighted by rows
+        for inputs, targets in loader:
             inputs, targets = to_device(inputs, run.device), to_device(targets, run.device)
-            losses.append(float(run.forward_backward(model, inputs, targets, case.loss_fn)))
+            micro_rows = min(per_worker * replicas, left)
+            left -= micro_rows
+            summed += float(run.forward_backward(model, inputs, targets, case.loss_fn)) * micro_rows
+            counted += micro_rows
             if cell.clip:
                 run.clip_grad_norm_(model, CLIP)
             optimizer.step()
             optimizer.zero_grad()
-            if not slow or i == len(batches) - 1:
+            if not run.sync_step:
+                continue
+            if schedule is not None:
+                schedule.step()
+            losses.append(summed / counted)
+            summed, counted = 0.0, 0
+            if not slow or len(losses) == len(batches):
                 weights.append(full_state(run.unwrap(model)))
         result: dict[str, Any] = {"losses": losses, "weights": weights, "rank": run.rank, "eval_loss": None,
                                   "where": placement(run, model), "checkpointed": checkpointed(run, model),

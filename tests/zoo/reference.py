@@ -151,21 +151,29 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def run_reference(case: ZooCase, batches: Sequence[Batch], *, seed: int = 0, optim: Optim = Optim(),
                   precision: str = "fp32", device: str = "cpu", evaluate: Batch | None = None,
-                  accumulate: int = 1, dropout: DropoutRule = torch_rng, clip: float | None = None) -> Record:
+                  accumulate: int = 1, dropout: DropoutRule = torch_rng, clip: float | None = None,
+                  frozen: Callable[[str], bool] | None = None,
+                  lr_factor: Callable[[int], float] | None = None) -> Record:
     """Train `case` on `batches` (one optimizer step each) and record every step; see the module docstring.
 
     accumulate=k runs each batch as k contiguous micro-batches whose losses are weighted by their rows
     (exactly the full-batch mean loss): the legitimate reordering of sums any split makes, used by the
     zoo tests to measure how far an exact strategy may drift in each precision. It changes results by
     construction for BatchNorm and dropout cases. clip=c clips the gradients by their norm before every
-    step (torch.nn.utils.clip_grad_norm_), as most language-model loops do.
+    step (torch.nn.utils.clip_grad_norm_), as most language-model loops do. frozen(name) true: that parameter
+    is frozen (requires_grad False, left out of the optimizer); lr_factor: a LambdaLR schedule stepped after
+    every optimizer step (a warm-up, say).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {sorted(PRECISIONS)}")
     dtype = PRECISIONS[precision]
     device_type = torch.device(device).type
     model = case.build(seed).to(device)
-    opt = optim.make(model.parameters(), case)
+    for name, param in model.named_parameters():
+        if frozen is not None and frozen(name):
+            param.requires_grad_(False)
+    opt = optim.make([p for p in model.parameters() if p.requires_grad], case)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor) if lr_factor is not None else None
     record = Record(initial=snapshot(model))
 
     def forward(inputs: Any) -> Any:
@@ -191,6 +199,8 @@ def run_reference(case: ZooCase, batches: Sequence[Batch], *, seed: int = 0, opt
             record.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
         record.weights.append(snapshot(model))
     if evaluate is not None:
         model.eval()

@@ -87,6 +87,8 @@ class Stage(nn.Module):
             return tuple(map_tensors(_own_storage, leaves))
         if self.sends:
             out = map_tensors(_own_storage, out)
+            if self.training and torch.is_grad_enabled():
+                out = map_tensors(_differentiable, out)
         return out
 
     @contextmanager
@@ -105,6 +107,15 @@ class Stage(nn.Module):
         """The output as the model returns it, from what a flattening last stage returned."""
         flat = list(leaves) if isinstance(leaves, list | tuple) else [leaves]
         return pytree.tree_unflatten(flat, self.outputs_spec)
+
+
+def _differentiable(t: torch.Tensor) -> torch.Tensor:
+    """A sent floating value that needs no gradient (every parameter before it frozen, e.g. fine-tuning with the
+    embeddings frozen) is sent as one that does: the next stage then receives it requiring grad, which torch's
+    split backward (zero-bubble) needs to compute that stage's weight gradients; without it they stay empty."""
+    if t.is_floating_point() and not t.requires_grad:
+        return t.detach().requires_grad_(True)
+    return t
 
 
 def _received(t: torch.Tensor) -> torch.Tensor:
