@@ -86,9 +86,9 @@ def loop_lr(step: int) -> float:
 
 
 def loop_sizes(layout: Layout) -> tuple[int, ...]:
-    """Global batches of the loop cells: two windows' worth per step; data-parallel columns end on a micro-step of
-    2 rows (1 per replica), pipelines keep whole micro-batches."""
-    return (16, 16, 10) if layout.microbatches == (None,) else (2 * layout.sizes[0],) * 3
+    """Global batches of the loop cells (each an accumulation window of two micro-steps): data-parallel columns end
+    on a micro-step of 2 rows (1 per replica), pipelines keep whole micro-batches."""
+    return (8, 8, 6) if layout.microbatches == (None,) else (layout.sizes[0],) * 3
 
 
 COMPILE_BACKEND = "aot_eager"
