@@ -43,12 +43,11 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy src/paratrain
 
-# the whole suite on two test processes (pytest-xdist; the matrix's two halves run side by side), the longest
-# modules first (tests/conftest.py: LONGEST_FIRST), so that both processes finish together
+# the whole suite on two test processes (pytest-xdist; the matrix's two halves run side by side)
 # mypy (one core, ~35 s from a fresh clone) runs beside the tests instead of before them; either failing fails
 test: setup lint
 	$(VENV)/bin/mypy src/paratrain > $(VENV)/mypy.log 2>&1 & checker=$$!; status=0; \
-	$(VENV)/bin/pytest -q -n 2 --dist loadscope --no-loadscope-reorder || status=$$?; \
+	$(VENV)/bin/pytest -q -n 2 --dist loadscope || status=$$?; \
 	wait $$checker || { status=1; echo "mypy failed:"; }; cat $(VENV)/mypy.log; exit $$status
 
 # pure logic and one-rank tests: the inner loop (about a minute after setup)

@@ -62,28 +62,11 @@ PROCESS_MODULES = {
 """Modules whose every test starts processes (the others mark such tests one by one with `procs`)."""
 
 
-LONGEST_FIRST = (
-    "test_matrix", "test_slurm", "test_resume", "test_launcher", "test_bench", "test_resume_layouts",
-    "test_launch_api", "test_examples", "test_warm_run", "test_fsdp", "test_zoo", "test_pipelines", "test_faults",
-    "test_notebook", "test_data_parallel", "test_compile", "test_file_store",
-)
-"""The modules with the most test time (--durations=0 of a full run, 2026-11-27), in that order. The suite runs
-them first, so that `make test`'s two test processes (xdist, one module or class at a time, in collection order
-with --no-loadscope-reorder) are left with short modules at the end and finish together, instead of one of them
-starting a matrix half when the other is nearly done."""
-
-
-def _longest_first(item: pytest.Item) -> int:
-    name = item.module.__name__.rsplit(".", 1)[-1]
-    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         marks = {mark.name for mark in item.iter_markers()}
         if not marks & {"procs", "slow", "gpu"} and item.module.__name__.rsplit(".", 1)[-1] not in PROCESS_MODULES:
             item.add_marker(pytest.mark.quick)
-    items.sort(key=_longest_first)  # stable: each module keeps its own order
 
 
 @pytest.fixture(autouse=True)
