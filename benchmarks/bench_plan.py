@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def _run(name: str, args: list[str], out: Path) -> dict[str, Any]:
     start = time.monotonic()
     proc = subprocess.run(command, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wall = time.monotonic() - start
-    (out / "log.txt").parent.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "log.txt").write_text(proc.stdout)
     if proc.returncode:
         print(proc.stdout[-3000:])
@@ -70,10 +71,10 @@ def main() -> None:
     plan, sweep = got["plan"], got["sweep"]
     sweep_times = {_key(r): r["median_step_s"] for r in sweep["results"]["runs"] if r["status"] == "ok"}
     pick = plan["winner"]
-    in_sweep = sweep_times.get(_key({**pick, "options": pick["options"]})) if pick else None
+    in_sweep = sweep_times.get(_key(pick)) if pick else None
     summary = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.node(),
-        "cores": len(__import__("os").sched_getaffinity(0)), "workload": ns.workload, "top": ns.top,
+        "cores": len(os.sched_getaffinity(0)), "workload": ns.workload, "top": ns.top,
         "order": ns.order, "plan_wall_s": plan["wall_s"], "sweep_wall_s": sweep["wall_s"],
         "time_ratio": plan["wall_s"] / sweep["wall_s"],
         "plan_winner": pick, "sweep_winner": sweep["winner"],

@@ -112,6 +112,10 @@ class Config:
     """Module name patterns -> "colwise"/"rowwise" for tensor parallelism (default: the model's own plan, e.g.
     a Hugging Face config's base_model_tp_plan, else its attention and MLP blocks found by structure)."""
 
+    @property
+    def compiling(self) -> bool:
+        return self.compile is not False
+
 
 def check_choice(kind: str, value: Any, literal: Any) -> None:
     """`value` is one of a Literal's choices, or the error lists them with a close match."""

@@ -82,8 +82,8 @@ def _comm_hooks(text: str) -> tuple[str, ...]:
 def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
     parts = ["paratrain bench", f"--model {ns.model}" if ns.model else f"--workload {ns.workload}"]
     parts += [f"--plan --top {ns.top} --cluster {ns.cluster}"] if ns.plan else []
-    parts += [f"--strategies {ns.strategies}"] if ns.strategies or not ns.plan else []
-    parts += [f"--schedule {ns.schedule}"] if ns.schedule or not ns.plan else []
+    parts += [f"--strategies {ns.strategies}"] if ns.strategies else []
+    parts += [f"--schedule {ns.schedule}"] if ns.schedule else []
     parts += [f"--workers {','.join(map(str, workers))}", f"--microbatches {ns.microbatches}",
               f"--batch-size {settings.batch}", f"--steps {settings.steps}", f"--warmup {settings.warmup}",
               f"--repeat {settings.repeat}"]
@@ -106,8 +106,8 @@ def main(ns: argparse.Namespace, planner: Planner | None = None) -> int:
     gpus = cuda_count()
     if ns.plan and ns.microbatches != "auto":
         raise ParatrainError("--plan chooses the micro-batch count for each layout; drop --microbatches")
-    ns.strategies = ns.strategies or (None if ns.plan else DEFAULT_STRATEGIES)
-    ns.schedule = ns.schedule or (None if ns.plan else "1f1b")
+    if not ns.plan:  # --plan leaves both to the planner unless they are given
+        ns.strategies, ns.schedule = ns.strategies or DEFAULT_STRATEGIES, ns.schedule or "1f1b"
     names = planning.parse_strategies(ns.strategies or DEFAULT_STRATEGIES)
     workers = planning.parse_counts(ns.workers, "--workers") if ns.workers else [gpus or 2]
     microbatches = planning.parse_microbatches(ns.microbatches)

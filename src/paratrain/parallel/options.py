@@ -39,7 +39,7 @@ def example_needed(where: str, why: str) -> ParatrainError:
 def check_pipeline(cfg: Config, pp: int, where: str) -> None:
     """What every multi-process pipeline (pp, ddp+pp) needs from the options, given `pp` pipeline ranks."""
     schedules.check(cfg.schedule, pp, cfg.stages_per_worker, cfg.microbatches, cfg.activation_checkpointing,
-                    cfg.compile is not False)
+                    cfg.compiling)
     check_balance_entries(cfg.balance, pp * cfg.stages_per_worker, where)
     if cfg.precision == "16":
         raise ParatrainError(

@@ -98,7 +98,7 @@ class DataPipeline:
             model, schedule=cfg.schedule, pp_rank=mesh.get_local_rank("pp"), pp=pp,
             per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
             balance=cfg.balance, example=example, group=mesh.get_group("pp"), strategy=self.name,
-            batchnorm=cfg.batchnorm, checkpointing=cfg.activation_checkpointing, compiling=cfg.compile is not False,
+            batchnorm=cfg.batchnorm, checkpointing=cfg.activation_checkpointing, compiling=cfg.compiling,
         )
         return _Replicas(pipe, mesh.get_group("dp"), dp)
 

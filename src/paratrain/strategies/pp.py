@@ -53,7 +53,7 @@ class Pipeline:
             model, schedule=cfg.schedule, pp_rank=ctx.placement.rank, pp=ctx.placement.world_size,
             per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
             balance=cfg.balance, example=example, strategy=self.name, batchnorm=cfg.batchnorm,
-            checkpointing=cfg.activation_checkpointing, compiling=cfg.compile is not False,
+            checkpointing=cfg.activation_checkpointing, compiling=cfg.compiling,
         )
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
