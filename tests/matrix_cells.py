@@ -66,6 +66,9 @@ LAYOUTS = [
     Layout("tp", "tp", 2, models=TRANSFORMERS, sizes=UNEVEN),
     Layout("fsdp+tp", "fsdp+tp", 4, {"tp_size": 2}, models=TRANSFORMERS, sizes=UNEVEN),
     Layout("ddp+tp", "ddp+tp", 4, {"tp_size": 2}, models=TRANSFORMERS, sizes=UNEVEN),
+    # pipelines of tensor-parallel stages; the transformers tensor parallelism refuses are refused before any
+    # pipeline is built (the tp column holds them), so the column trains the one it shards
+    Layout("tp+pp", "tp+pp", 4, {"tp_size": 2, "schedule": "1f1b", **PINNED}, (2,), models=("hf_llama",)),
 ]
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 

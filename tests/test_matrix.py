@@ -198,19 +198,20 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
     """The work was really divided as the layout says: a layout that trained the whole model on every rank
     would match the reference too."""
     strategy, problems = BY_NAME[cell.layout].strategy, []
+    axes = strategy.split("+")
     if strategy in ("single", "ddp"):
         problems += [f"rank {i} holds {w['local']} of {w['whole']} elements" for i, w in enumerate(where)
                      if w["local"] != w["whole"]]
-    elif strategy == "fsdp":
+    if strategy == "fsdp":
         local, whole = [w["local"] for w in where], where[0]["whole"]
         if sum(local) != whole or max(local) >= whole:
             problems.append(f"FSDP ranks hold {local} of {whole} parameter elements: not sharded")
-    elif strategy in ("pp", "ddp+pp"):
+    if "pp" in axes:
         held = {tuple(w["names"]) for w in where}
         every = set().union(*held)
         if len(held) != 2 or any(set(names) == every or not names for names in held):
             problems.append(f"pipeline ranks hold {len(held)} distinct parameter sets (want 2 stages, each a part)")
-    elif strategy in ("tp", "ddp+tp", "fsdp+tp"):
+    if "tp" in axes:
         # tensor-sharded weights: 1/tp on each rank, and 1/(dp x tp) under FSDP, which shards the rest too
         parts = 4 if strategy == "fsdp+tp" else 2
         for i, w in enumerate(where):
@@ -220,7 +221,7 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
             rest_local, rest_whole = w["local"] - w["tp_local"], w["whole"] - w["tp_whole"]
             if strategy == "fsdp+tp" and not rest_local < rest_whole:
                 problems.append(f"rank {i} holds {rest_local} of {rest_whole} other elements: not sharded")
-    elif strategy in ("mp", "ddp+mp"):
+    if strategy in ("mp", "ddp+mp"):
         for i, w in enumerate(where):
             if w["stage_params"] is None or len(w["stage_params"]) != 2 or 0 in w["stage_params"]:
                 problems.append(f"rank {i}: stages hold {w['stage_params']} parameter elements (want 2 stages)")
@@ -236,7 +237,7 @@ def traced_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b", "ddp+tp"),
-          ("pp-gpipe", "pp-interleaved", "pp-zero-bubble", "ddp+pp", "tp", "fsdp+tp"))
+          ("pp-gpipe", "pp-interleaved", "pp-zero-bubble", "ddp+pp", "tp", "fsdp+tp", "tp+pp"))
 """The columns in two halves of about equal time, one class each, so that `pytest -n N --dist loadscope` (make
 test) runs them on two workers side by side."""
 assert sorted(HALVES[0] + HALVES[1]) == sorted(layout.name for layout in LAYOUTS)

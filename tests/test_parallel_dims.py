@@ -46,6 +46,20 @@ def test_impossible_degrees_are_refused_with_the_arithmetic(name: str, world: in
     assert said in str(err.value)
 
 
+def test_pipelines_of_tensor_parallel_stages_are_checked_fsdp_over_stages_refused() -> None:
+    from helpers import check_job
+
+    check_job("tp+pp", 4, tp_size=2, microbatches=4)  # accepted: pipelines of tensor-parallel stages
+    check_job("ddp+tp+pp", 8, tp_size=2, pp_size=2, microbatches=4)
+    for name in ("fsdp+tp+pp", "fsdp+pp"):
+        with pytest.raises(ParatrainError, match="FSDP over pipeline stages") as err:
+            check_job(name, 8, pp_size=2)
+        assert f"'{name.replace('fsdp', 'ddp')}'" in str(err.value)  # the layout to use instead
+    with pytest.raises(ParatrainError, match="precision='16'"):  # what every pipeline checks
+        check_job("tp+pp", 4, tp_size=2, microbatches=4, precision="16")
+    assert strategies.get("tp+pp").microbatched and not strategies.get("fsdp+tp").microbatched
+
+
 def test_ranks_lie_tensor_innermost_and_replicas_load_their_own_rows() -> None:
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2)
     assert [dims.coordinates(r)["tp"] for r in range(8)] == [0, 1] * 4

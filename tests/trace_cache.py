@@ -55,8 +55,10 @@ def _signature(value: Any) -> Any:
     return repr(value)
 
 
-def _key(case: str, example: Any, training: bool) -> str:
-    text = repr((case, training, torch.is_autocast_enabled("cpu"), _signature(example)))  # precision applies later
+def _key(case: str, example: Any, training: bool, model: nn.Module) -> str:
+    # the parameters' shapes too: a tensor-parallel pipeline traces each rank's shards (parallel.tensor.traced)
+    shapes = tuple(tuple(p.shape) for p in model.parameters())
+    text = repr((case, training, torch.is_autocast_enabled("cpu"), _signature(example), shapes))  # precision later
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
@@ -85,7 +87,7 @@ def _program(key: str, model: nn.Module, example: Any, training: bool) -> Any:
 def _export(model: nn.Module, example: Any, training: bool) -> fx.GraphModule:
     if CACHE.case is None:
         return _traced(model, example, training)
-    return _program(_key(CACHE.case, example, training), model, example, training).module()  # type: ignore[no-any-return]
+    return _program(_key(CACHE.case, example, training, model), model, example, training).module()  # type: ignore[no-any-return]
 
 
 _traced = tracing._export
@@ -120,6 +122,6 @@ def preload() -> None:
         example = global_batches(case, 0, (8,))[0][0]
         for training in (True, False):
             try:
-                _program(_key(name, example, training), model, example, training)
+                _program(_key(name, example, training, model), model, example, training)
             except Exception:  # noqa: BLE001 - a model torch cannot trace: its cells see the same error themselves
                 pass

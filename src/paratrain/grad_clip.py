@@ -6,10 +6,11 @@ makes it right under FSDP; but a pipeline rank holds only its stages, so each st
 its own norm and the run would train to other weights than one process, with no error. Here the norm is
 taken over everything the model's gradient is made of, each element counted once:
 
-    plain tensors   this rank's share of a pipeline: the p-th powers summed over the pipeline's ranks
-                    (a parameter tied across stages, such as an embedding shared with the LM head, is
-                    counted on its first holder only); replicated layouts hold it all already
+    plain tensors   replicated layouts hold them all already
     DTensors        FSDP shards and tensor-parallel pieces: their own mesh reduces them, per mesh
+    pipelines       each rank's sum of both (p-th powers) is summed over the pipeline's ranks; a parameter
+                    tied across stages, such as an embedding shared with the LM head, is counted on its
+                    first holder only
 
 and every rank scales its gradients by the same factor, min(1, max_norm / (norm + 1e-6)), as torch does.
 """
@@ -61,22 +62,22 @@ def total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
             plain.append(p.grad)
     parts: list[torch.Tensor] = []
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if pipeline is not None or plain:
-        local = (_power_sum([torch.linalg.vector_norm(g.detach(), norm_type) for g in plain], norm_type)
-                 if plain else torch.zeros((), dtype=torch.float64, device=device))
-        if pipeline is not None and dist.is_initialized():
-            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            local = local.to(pipeline.device)
-            dist.all_reduce(local, op=op, group=pipeline.group)
-        parts.append(local)
-    for grads in by_mesh.values():  # meshes in parameter order: the same on every rank
+    if plain or pipeline is not None:
+        parts.append(_power_sum([torch.linalg.vector_norm(g.detach(), norm_type) for g in plain], norm_type)
+                     if plain else torch.zeros((), dtype=torch.float64, device=device))
+    for grads in by_mesh.values():  # meshes in parameter order: the same on every rank of the mesh
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         whole = norm.full_tensor() if _is_dtensor(norm) else norm  # type: ignore[attr-defined]
         parts.append(_power_sum([whole], norm_type))
     if not parts:
         return torch.zeros((), device=device)
     stacked = torch.stack([part.to(parts[0].device) for part in parts])  # each is already a sum of p-th powers
-    return stacked.max() if math.isinf(norm_type) else stacked.sum() ** (1.0 / norm_type)
+    local = stacked.max() if math.isinf(norm_type) else stacked.sum()
+    if pipeline is not None and dist.is_initialized():  # this rank's stages, then every stage of the pipeline
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        local = local.to(pipeline.device)
+        dist.all_reduce(local, op=op, group=pipeline.group)
+    return local if math.isinf(norm_type) else local ** (1.0 / norm_type)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,

@@ -8,12 +8,18 @@ average their gradients over "dp_replicate" after the backward (DDP's reducer do
     "fsdp+tp", world 4:    tp group {0, 1}  tp group {2, 3}      rows of the global batch
                            dp_shard group {0, 2}, {1, 3}          ranks 0, 1: first half; 2, 3: second half
 
-Pipelines (`pp` in the name) are refused here until stages can hold tensor-parallel blocks.
+With `pp` in the name the model is split into pipeline stages after tensor parallelism (torchtitan's order: split,
+then shard each stage): the traced stages call the sharded layers themselves (`parallel.tensor.traced`), each
+"pp" group of the mesh runs one schedule, and replicas ("dp_replicate") average their stages' gradients when a
+window ends, as `ddp+pp` does. FSDP over pipeline stages is refused: a traced stage reads its weights in its
+graph and never calls the blocks' forwards, where FSDP gathers its shards.
+
+    "tp+pp", world 4:      stage 0 on ranks {0, 1} (tp group), stage 1 on {2, 3};  pp groups {0, 2}, {1, 3}
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,7 +30,18 @@ from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import average_in_place, evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
 from ..parallel.dims import ParallelDims, canonical, dims_for, parse
+from ..parallel.microbatch import pipeline_bound
+from ..parallel.options import check_pipeline
 from .base import Backward, Context, LossFn
+
+if TYPE_CHECKING:
+    from ..parallel.pipeline.pipelining import PipelineModule
+
+
+def _average(module: nn.Module, group: Any, size: int) -> None:
+    """Mean gradients over the replicas; a DTensor's through its local shard, which shares its storage."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    average_in_place([g.to_local() if hasattr(g, "to_local") else g for g in grads], group, size)
 
 
 class _Replicas(nn.Module):
@@ -51,21 +68,38 @@ class _Replicas(nn.Module):
         return grad
 
     def average(self) -> None:
-        # a DTensor's gradient is averaged through its local shard, which shares its storage
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        average_in_place([g.to_local() if hasattr(g, "to_local") else g for g in grads], self.group, self.size)
+        _average(self.module, self.group, self.size)
+
+
+class _Stages(nn.Module):
+    """One pipeline rank's (tensor-parallel) stages, and the replicas that hold the same stages."""
+
+    def __init__(self, pipe: PipelineModule, group: Any, size: int) -> None:
+        super().__init__()
+        self.pipe, self.group, self.size = pipe, group, size
+        self.sync = True
+
+    @property
+    def plan(self) -> Any:
+        return self.pipe.plan
+
+    def forward(self, inputs: Any, targets: Any = None, loss_fn: LossFn | None = None, loss_scale: int = 1) -> Any:
+        return self.pipe(inputs, targets, loss_fn, loss_scale)
+
+    def average(self) -> None:
+        if self.size > 1:
+            _average(self.pipe, self.group, self.size)
 
 
 class NDStrategy:
     needs_process_group = True
     sharded_state = True
-    microbatched = False
-    scheduled = False
     comm_hooks = False
 
     def __init__(self, name: str) -> None:
         self.name = canonical(name)
         self.axes = parse(name)
+        self.microbatched = self.scheduled = "pp" in self.axes
 
     def dims(self, ctx: Context) -> ParallelDims:
         cfg = ctx.config
@@ -73,13 +107,20 @@ class NDStrategy:
                         dp_replicate=cfg.dp_replicate)
 
     def check(self, ctx: Context) -> None:
-        if "pp" in self.axes:
+        if "pp" in self.axes and "fsdp" in self.axes:
             raise ParatrainError(
-                f"strategy {self.name!r}: pipeline stages holding tensor-parallel or sharded blocks are not built "
-                "yet; use 'ddp+pp' or 'pp' for pipelines, or 'fsdp+tp' / 'ddp+tp' without one")
-        self.dims(ctx)
+                f"strategy {self.name!r}: FSDP over pipeline stages is not built: a traced stage reads its weights "
+                "in its graph and never calls the blocks' forwards, where FSDP gathers its shards; use "
+                f"{'+'.join(a.replace('fsdp', 'ddp') for a in self.axes)!r} (replicas instead of shards), or "
+                "'fsdp+tp' without a pipeline")
+        dims = self.dims(ctx)
+        if dims.pp > 1:
+            check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
 
     def bound(self, ctx: Context) -> float:
+        dims = self.dims(ctx)
+        if dims.pp > 1:
+            return dims.dp * dims.tp * pipeline_bound(dims.pp, ctx.config.microbatches)
         return float(ctx.placement.world_size)
 
     def devices(self, ctx: Context) -> list[torch.device]:
@@ -101,6 +142,16 @@ class NDStrategy:
             model = apply_tp(model, mesh["tp"], plan, example)
             if ctx.placement.rank == 0:
                 print(f"paratrain: {describe(plan, source, dims.tp)}", flush=True)
+        if dims.pp > 1:
+            from ..parallel.pipeline.pipelining import PipelineModule
+
+            pipe = PipelineModule(
+                model, schedule=cfg.schedule, pp_rank=mesh.get_local_rank("pp"), pp=dims.pp,
+                per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
+                balance=cfg.balance, example=example, group=mesh.get_group("pp"), strategy=self.name,
+                batchnorm=cfg.batchnorm, checkpointing=cfg.activation_checkpointing, compiling=cfg.compiling,
+                tp_plan=plan if dims.tp > 1 else None)
+            return _Stages(pipe, mesh["dp_replicate"].get_group(), dims.dp_replicate)
         if dims.dp_shard > 1:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
             return apply_fsdp(model, dp_mesh, precision=cfg.precision)
@@ -112,17 +163,36 @@ class NDStrategy:
         return self.dims(ctx).data_shard(ctx.placement.rank)
 
     def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
-        if isinstance(model, _Replicas):
+        if isinstance(model, _Stages):
+            model.sync = model.pipe.sync = sync  # the pipeline sums tied gradients when the window ends
+        elif isinstance(model, _Replicas):
             model.sync = sync
         else:
             set_fsdp_sync(model, sync)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
                          ctx: Context) -> torch.Tensor:
-        return forward_backward(model, inputs, targets, loss_fn, backward)
+        if "pp" not in self.axes:
+            return forward_backward(model, inputs, targets, loss_fn, backward)
+        from ..parallel.pipeline.pipelining import global_loss
+
+        if not isinstance(model, _Stages):
+            raise ParatrainError(f"strategy {self.name!r}: pass the model returned by run.prepare to forward_backward")
+        local = model(inputs, targets, loss_fn, ctx.config.grad_accum)
+        if model.sync:
+            model.pipe.reduce_tied_gradients()
+            model.average()
+        dims = self.dims(ctx)
+        return global_loss(local, dims.dp * dims.tp, ctx.device)  # every tensor rank of a last stage holds it
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
+        if "pp" in self.axes:
+            from ..parallel.pipeline import pipelining
+
+            return pipelining.evaluate(model, inputs, targets, loss_fn, ctx.device)
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, _Stages):
+            return model.pipe.holds()
         return model.module if isinstance(model, _Replicas) else model

@@ -279,6 +279,14 @@ def _attach(owner: nn.Module, path: str, module: nn.Module) -> None:
         node.add_module(name, module)
 
 
+def _calls_layer(node: fx.Node, model: nn.Module) -> bool:
+    """A call of one of the user's modules: a tensor-parallel layer the graph runs as itself (tensor.traced)."""
+    try:
+        return node.op == "call_module" and isinstance(model.get_submodule(str(node.target)), nn.Module)
+    except AttributeError:
+        return False
+
+
 def _belongs_to(model: nn.Module, target: str) -> bool:
     """A parameter or buffer of the user's model (not a submodule or constant the tracer made)."""
     owner, _, attr = target.rpartition(".")
@@ -305,9 +313,13 @@ class GraphSegment(nn.Module):
         self._specs = specs
         targets = sorted({str(n.target) for gm in graphs.values() for n in gm.graph.nodes
                           if n.op == "get_attr" and _belongs_to(model, str(n.target))}, key=lambda t: (t.count("."), t))
-        for target in targets:
+        layers = {str(n.target) for gm in graphs.values() for n in gm.graph.nodes if _calls_layer(n, model)}
+        # shallower modules first, so a parent is the user's module rather than an empty one made for a child
+        for target in sorted(set(targets) | layers, key=lambda t: (t.count(".") + (t in layers), t)):
             owner, _, attr = target.rpartition(".")
-            if owner:
+            if target in layers:
+                _attach(self, target, model.get_submodule(target))
+            elif owner:
                 _attach(self, owner, model.get_submodule(owner))
             else:  # a tensor of the model itself: register that tensor alone
                 _attach_tensor(self, target, getattr(model, attr), model)
@@ -379,7 +391,8 @@ def traced_segments(model: nn.Module, traced: Traced, defer_batchnorm: bool = Fa
             defer_graph(gm, lambda node: (module_path(node) or [""])[-1])
         seg = assign(gm, order)
         cuts = _boundaries(gm, seg, len(order))
-        nodes = [[n for n in _compute_nodes(gm) if seg[n] == k and n.op != "call_module"] for k in range(len(order))]
+        nodes = [[n for n in _compute_nodes(gm) if seg[n] == k and (n.op != "call_module" or _calls_layer(n, model))]
+                 for k in range(len(order))]
         graphs[training] = [_segment_graph(gm, nodes[k], cuts[k - 1] if k else None,
                                            cuts[k] if k < len(order) - 1 else None, training)
                             for k in range(len(order))]

@@ -175,10 +175,12 @@ def merged(stages: Sequence[Stage]) -> nn.Module:
     return holder
 
 
-def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = False) -> list[Layer]:
+def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = False,
+              tp_plan: dict[str, str] | None = None) -> list[Layer]:
     """The model as a chain of named layers: a Sequential's children, or the segments of a traced model
     (cut before each layer; `example` is one input batch to trace with). `defer_batchnorm` makes BatchNorm
-    layers update running statistics once per step (see `batchnorm`)."""
+    layers update running statistics once per step (see `batchnorm`). `tp_plan` names the layers already
+    sharded by tensor parallelism, which a traced segment calls as themselves (`tensor.traced`)."""
     if isinstance(model, nn.Sequential):
         if defer_batchnorm:
             defer_modules(model)
@@ -195,7 +197,15 @@ def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = Fal
         from ..._tree import map_tensors
 
         example = map_tensors(lambda t: t.to(where), example)
-    return traced_segments(model, trace(model, example), defer_batchnorm)
+    if not tp_plan:
+        return traced_segments(model, trace(model, example), defer_batchnorm)
+    from ..tensor.traced import call_layers, local_layers
+
+    with local_layers(model, tp_plan):
+        traced = trace(model, example)
+    for gm in (traced.train, traced.eval):
+        call_layers(gm, model, tp_plan)
+    return traced_segments(model, traced, defer_batchnorm)
 
 
 def equal_balance(layers: int, stages: int) -> list[int]:

@@ -79,8 +79,9 @@ class PipelineModule(nn.Module):
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
                  device: torch.device, microbatches: int | str, balance: Sequence[int] | Sequence[str] | str,
                  example: Any, group: Any = None, strategy: str = "pp", batchnorm: str = "exact",
-                 checkpointing: str = "none", compiling: bool = False) -> None:
+                 checkpointing: str = "none", compiling: bool = False, tp_plan: dict[str, str] | None = None) -> None:
         super().__init__()
+        self._tp_plan = tp_plan
         schedules.check(schedule, pp, per_worker, microbatches, checkpointing, compiling)
         self._checkpointing, self._compiling = checkpointing, compiling
         self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
@@ -115,7 +116,7 @@ class PipelineModule(nn.Module):
             example = map_tensors(lambda t: t.to(self.device), example)
             count = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
             sample = split(example, min(count, batch_size(example)))[0]
-        layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm)
+        layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm, tp_plan=self._tp_plan)
         balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample,
                                         agree=lambda v: mean_over_world(v, self.device))
         stages = split_into_stages(layers, balance)
@@ -130,7 +131,10 @@ class PipelineModule(nn.Module):
         mine = {id(p) for s in local for p in s.parameters()}
         for p in model.parameters():
             if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if hasattr(p, "to_local"):  # a tensor-parallel shard: its local piece
+                    p.to_local().data = torch.empty(0, dtype=p.dtype, device=p.device)
+                else:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
         self.plan.balance = balance
         self.plan.layer_costs = costs
@@ -332,8 +336,9 @@ class PipelineModule(nn.Module):
                           activation_per_microbatch_bytes=sum(first.values()), in_flight_bound=most,
                           activation_bound_bytes=bound, peak_activation_bytes=meter.peak)
         rows: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, (dist.get_rank(), row))
-        pipeline = sorted((r for r in rows if r[0] < self.pp), key=lambda r: r[0])  # replica 0 speaks for all
+        speaks = self.group is None or 0 in dist.get_process_group_ranks(self.group)  # rank 0's pipeline
+        dist.all_gather_object(rows, (speaks, self.pp_rank, row))
+        pipeline = sorted((r[1:] for r in rows if r[0]), key=lambda r: r[0])
         self.plan.memory = [r[1] for r in pipeline]
         if self.plan.verbose:
             print(format_report(self.plan.memory, self.schedule_name, int(self.microbatches)), flush=True)
