@@ -97,7 +97,7 @@ TOKENS, FLOPS, PEAK = 16, 8e9, 1e10
 
 def _fake_results() -> dict[str, Any]:
     def run(strategy: str, workers: int, times: list[float], micro: int | None = None) -> schema.RunRecord:
-        spec = jobs.Spec(strategy, workers, micro, "1f1b" if strategy in ("pp", "torch-pipelining") else None)
+        spec = jobs.Spec(strategy, workers, micro, "1f1b" if strategy in ("pp", "torch-pipelining", "tp+pp") else None)
         twin = {ref: name for name, ref in jobs.REFERENCE.items()}.get(strategy, strategy)
         options = {"microbatches": micro} if micro else {}
         bound = (workers if twin == jobs.CEILING else  # the strategy states its own bound
@@ -107,6 +107,7 @@ def _fake_results() -> dict[str, Any]:
     runs = [run("single", 1, [1.0, 1.1, 0.9]), run("ddp", 2, [0.55, 0.5, 0.6]), run("torch-ddp", 2, [0.5, 0.5, 0.5]),
             run("no-comm", 2, [0.5, 0.5, 0.5]), run("ddp", 4, [0.3, 0.3, 0.3]), run("torch-ddp", 4, [0.3, 0.3, 0.3])]
     runs += [run(s, 2, [t, t], m) for m, t in ((1, 1.0), (2, 0.8), (4, 0.7)) for s in ("pp", "torch-pipelining")]
+    runs.append(run("tp+pp", 4, [0.4, 0.4], 4))  # an N-D layout with a pipeline axis: micro-batches and a schedule
     runs.append(schema.record(jobs.Spec("dp", 1), "not-applicable", "needs GPUs", 1.0))
     peak = mfu.Peak(flops_per_s=PEAK, dtype="fp32", source="measured", per_worker=[PEAK, PEAK])
     return {"schema": schema.SCHEMA, "created": schema.now(), "command": "paratrain bench", "paratrain": {},
@@ -131,6 +132,7 @@ def test_finalise_derives_medians_speedups_bounds_and_reference_ratios() -> None
     assert ddp["tokens_per_s"] == pytest.approx(8 * TOKENS / 0.55, rel=1e-3)
     assert ddp["mfu"] == pytest.approx(FLOPS / 0.55 / (PEAK * 2), rel=1e-3)  # two workers: twice the peak
     assert runs[("pp", 2, 4)]["bound"] == pytest.approx(2 * 4 / 5)  # K*M/(M+K-1)
+    assert runs[("tp+pp", 4, 4)]["bound"] == pytest.approx(2 * 2 * 4 / 5)  # tp 2 x the 2-stage pipeline's bound
     assert runs[("dp", 1, None)]["median_step_s"] is None and runs[("dp", 1, None)]["reason"] == "needs GPUs"
     assert runs[("dp", 1, None)]["tokens_per_s"] is None and runs[("dp", 1, None)]["mfu"] is None
     lines = report.comparisons(typed["runs"])

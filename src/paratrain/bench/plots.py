@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from .jobs import CEILING  # noqa: E402
 from .report import name  # noqa: E402
-from .schema import PIPELINED, RunRecord, quantile  # noqa: E402
+from .schema import RunRecord, pipelined, quantile  # noqa: E402
 
 PARATRAIN_COLOR, TORCH_COLOR, CEILING_COLOR = "tab:blue", "tab:orange", "tab:gray"
 
@@ -103,7 +103,7 @@ def throughput(results: dict[str, Any], path: Path) -> Path | None:
 
 
 def microbatch_curve(results: dict[str, Any], path: Path) -> Path | None:
-    runs = [r for r in _ok(results["runs"]) if r.strategy in PIPELINED]
+    runs = [r for r in _ok(results["runs"]) if pipelined(r.strategy)]
     if not runs:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

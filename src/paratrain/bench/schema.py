@@ -47,6 +47,21 @@ PIPELINED = ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
 SCHEDULED = ("pp", "ddp+pp", "torch-pipelining")
 
 
+def _pipeline_axis(strategy: str) -> bool:
+    """An N-D layout of the grammar with a pipeline axis (`tp+pp`, `ddp+tp+pp`): pipelined and scheduled."""
+    return strategy not in STRATEGIES and is_grammar(strategy) and "pp" in strategy.split("+")
+
+
+def pipelined(strategy: str) -> bool:
+    """Runs with a micro-batch count."""
+    return strategy in PIPELINED or _pipeline_axis(strategy)
+
+
+def scheduled(strategy: str) -> bool:
+    """Runs one of the pipeline schedules."""
+    return strategy in SCHEDULED or _pipeline_axis(strategy)
+
+
 @dataclass(kw_only=True)
 class RunRecord:
     """One measured (or not applicable, or failed) configuration: a row of results.json."""
@@ -241,12 +256,12 @@ def _run_problems(run: dict[str, Any], tokens: bool, mfu: bool) -> list[str]:
         out.append(f"status {run['status']!r} not in {STATUSES}")
     if not isinstance(run["workers"], int) or run["workers"] < 1:
         out.append("workers must be a positive integer")
-    pipelined = run["strategy"] in PIPELINED
-    if run["microbatches"] is not None and not pipelined:
+    is_pipelined = pipelined(run["strategy"])
+    if run["microbatches"] is not None and not is_pipelined:
         out.append("microbatches must be null unless the strategy is pipelined")
-    if run["microbatches"] is None and pipelined and run["status"] == "ok":
+    if run["microbatches"] is None and is_pipelined and run["status"] == "ok":
         out.append("an ok pipelined run needs its microbatches")
-    if run["schedule"] is not None and run["strategy"] not in SCHEDULED:
+    if run["schedule"] is not None and not scheduled(run["strategy"]):
         out.append("schedule must be null unless the strategy is pp-like")
     if run["status"] == "ok":
         if run["reason"] is not None:
