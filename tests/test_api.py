@@ -63,3 +63,41 @@ def test_a_pipeline_without_an_example_is_told_what_to_pass() -> None:
     with pytest.raises(paratrain.ParatrainError, match=r"example=inputs"):
         run.prepare(_model())
     run.close()
+
+
+def _dropout_losses(run: paratrain.Run, steps: int, between: object = None) -> list[float]:
+    torch.manual_seed(0)
+    model = _model()
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    losses = []
+    for _ in range(steps):
+        losses.append(float(run.forward_backward(model, x, y, nn.functional.mse_loss)))
+        optimizer.step()
+        optimizer.zero_grad()
+        if callable(between):
+            between()
+    return losses
+
+
+def test_two_runs_in_one_process_keep_their_own_micro_step_state() -> None:
+    """Dropout masks follow a run's own seed and micro-step (parallel/step_state.py): another run stepping in
+    between, with another seed and its own count, changes nothing of the first run's."""
+    alone = paratrain.setup(strategy="single", seed=0)
+    want = _dropout_losses(alone, 4)
+    alone.close()
+    first = paratrain.setup(strategy="single", seed=0)
+    other = paratrain.setup(strategy="single", seed=7)
+    torch.manual_seed(1)
+    model = other.prepare(_model())
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+
+    def other_steps() -> None:
+        for _ in range(3):
+            other.forward_backward(model, x, y, nn.functional.mse_loss)
+
+    got = _dropout_losses(first, 4, between=other_steps)
+    assert got == want  # bit for bit
+    assert len(set(got)) == len(got) and other.step.count == 12 and first.step.count == 4
+    first.close()
+    other.close()

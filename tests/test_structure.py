@@ -112,6 +112,31 @@ def test_forwards_are_replaced_in_one_place() -> None:
     assert not found, found
 
 
+def test_parallel_keeps_no_module_level_state_but_the_active_run() -> None:
+    """Step state lives in one object per run (parallel/step_state.py): no module of parallel/ rebinds a global
+    (`global x`), keeps a registry (a module-level empty dict, list or set that fills up) or a module-level
+    instance of its own state class, except the one pointer to the active run's state."""
+    found = []
+    for path in (SRC / "parallel").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global) and path.name != "step_state.py":
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} global {', '.join(node.names)}")
+        classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+        for node in tree.body:
+            value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+            if (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in classes
+                    and path.name != "step_state.py"):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} a module-level {value.func.id}")
+            empty = (isinstance(value, ast.Dict | ast.List | ast.Set) and not getattr(value, "keys", None)
+                     and not getattr(value, "elts", None)) or (
+                isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                and value.func.id in ("dict", "list", "set", "defaultdict") and not value.args)
+            if empty:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} a module-level container")
+    assert not found, found
+
+
 def test_a_replaced_forward_is_recorded_and_undone() -> None:
     from torch import nn
 

@@ -28,6 +28,7 @@ from .parallel import activation_checkpoint
 from .parallel import compile as compile_blocks
 from .parallel.microbatch import batch_size
 from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
+from .parallel.step_state import activate
 from .precision import apply_autocast, make_scaler
 from .step import PreparedOptimizer, Step, rebind
 from .strategies.base import Context, LossFn, Strategy
@@ -107,6 +108,7 @@ class Run:
 
         `example` is one batch of model inputs: pipelines need it to trace a model that is not an
         nn.Sequential and to measure layers for balance="time"/"memory"."""
+        activate(self.step.state)  # this run's micro-step state, whatever another run in the process did
         before = dict(model.named_parameters())
         apply_layout_dropout(model)
         checkpointing, compiling = self.config.activation_checkpointing, self.config.compile
@@ -139,6 +141,7 @@ class Run:
                                  grad_accum=self.config.grad_accum, equal_shares=self.strategy.scheduled,
                                  device=self.device)
         prepared.timing = self.timing
+        prepared.step_state = self.step.state  # its batches set this run's rows for the dropout masks
         if not evaluation:
             self._loaders.add(prepared)
             self._global_batch = prepared.global_batch  # for run.log's samples/s
@@ -162,6 +165,7 @@ class Run:
         """Ends a micro-step the user's loop ran `model(x)` for: backward with accumulation and fp16 loss
         scaling; gradients are synchronised only on the last micro-step of a window. A short batch's loss is
         weighted by this rank's rows (see paratrain/data/plan.py)."""
+        activate(self.step.state)
         weight = claim_weight(self._loaders)
         with self._watch.op_scope("backward"), self.step.micro(), self.timing.micro_step():  # DDP syncs in here
             self._scaled_backward(loss if weight.loss == 1.0 else loss * weight.loss)
@@ -183,6 +187,7 @@ class Run:
         Under torch.no_grad() nothing is trained: it is `evaluate(model, inputs, targets, loss_fn)`."""
         if not torch.is_grad_enabled():
             return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
+        activate(self.step.state)
         weight = claim_weight(self._loaders) if self._loaders else self._hand_sliced(inputs)
         with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
             loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
@@ -197,13 +202,13 @@ class Run:
         replica, replicas = self.strategy.data_shard(self.ctx)
         rows = batch_size(inputs)
         if replicas == 1 or self._joining or not collectives.active():
-            set_rows_before(replica * rows)
+            set_rows_before(replica * rows, self.step.state)
             return ONE
         counts = torch.zeros(replicas, dtype=torch.int64)
         counts[replica] = rows
         with self._watch.op_scope("row counts"):
             counts = collectives.all_reduce(counts, op="max", device=self.device).cpu()
-        set_rows_before(int(counts[:replica].sum()))
+        set_rows_before(int(counts[:replica].sum()), self.step.state)
         if int(counts.min()) == int(counts.max()):
             return ONE
         return Weight(loss=rows * replicas / int(counts.sum()))
@@ -212,6 +217,7 @@ class Run:
         """A batch's outputs, or given `targets` and `loss_fn` its mean loss over every rank's rows, without
         training: the model in eval mode (restored after) and no gradients. Any strategy; collective.
         Pipelines return outputs on the last stage (None on the other ranks); the loss comes back everywhere."""
+        activate(self.step.state)
         was = model.training
         model.eval()
         try:
@@ -363,7 +369,8 @@ def setup(**kwargs: Any) -> Run:
         run.print(f"paratrain: strategy auto -> {config.strategy} ({placement.world_size} process(es)); to have "
                   "the layouts for your model ranked and timed: paratrain bench --plan --model module:factory")
     _seed(config.seed)
-    set_seed(config.seed)
+    set_seed(config.seed, run.step.state)
+    activate(run.step.state)
     return run
 
 

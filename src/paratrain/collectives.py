@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import unknown_name
+from .parallel import step_state
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -30,10 +31,6 @@ def all_reduce(value: torch.Tensor | float, op: str = "mean", device: torch.devi
     return tensor
 
 
-_PENDING: list[torch.Tensor] = []
-"""Reductions started by `mean_later` whose result nobody has read yet."""
-
-
 def mean_later(value: torch.Tensor, divide_by: int | None = None, group: object = None) -> torch.Tensor:
     """The sum over ranks of `value / divide_by` (default: the world size, so the mean), started now and
     waited for when first read.
@@ -49,14 +46,15 @@ def mean_later(value: torch.Tensor, divide_by: int | None = None, group: object 
     settle()
     size = divide_by or dist.get_world_size(group)  # type: ignore[arg-type]
     out = funcol.all_reduce(tensor / size, "sum", group or dist.group.WORLD)  # type: ignore[arg-type]
-    _PENDING.append(out)
+    step_state.active().reductions.append(out)  # the active run's: waited for by its next reduction
     return out
 
 
 def settle() -> None:
     """Wait for every reduction `mean_later` started (a no-op for those already read)."""
-    while _PENDING:
-        pending = _PENDING.pop()
+    started = step_state.active().reductions
+    while started:
+        pending = started.pop()
         wait = getattr(pending, "trigger_wait", None)
         if wait is not None:
             wait()

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .parallel import randomness
+from .parallel.step_state import StepState
 
 
 class Step:
@@ -37,6 +38,8 @@ class Step:
         self._models: list[nn.Module] = []
         self._armed: dict[int, bool] = {}
         """The sync flag each model was last armed with: unchanged flags (no accumulation) cost nothing."""
+        self.state = StepState()
+        """What this run's micro-step in flight knows (dropout position, deferred BatchNorm, pending reductions)."""
 
     @property
     def at_boundary(self) -> bool:
@@ -58,7 +61,7 @@ class Step:
         """A prepared model: its gradient sync follows the window from its first micro-step on."""
         self._models.append(model)
         self._arm(model)
-        randomness.at_micro_step(self.count)
+        randomness.at_micro_step(self.count, self.state)
 
     @contextmanager
     def micro(self, model: nn.Module | None = None) -> Iterator[None]:
@@ -70,14 +73,14 @@ class Step:
             yield
         finally:
             self.count += 1
-            randomness.at_micro_step(self.count)  # dropout masks are drawn per micro-step
+            randomness.at_micro_step(self.count, self.state)  # dropout masks are drawn per micro-step
             for m in self._models:
                 self._arm(m)
 
     def restore(self, count: int) -> None:
         """Continue counting from a checkpoint, re-arming the sync flags for the micro-step that follows."""
         self.count = count
-        randomness.at_micro_step(count)
+        randomness.at_micro_step(count, self.state)
         for m in self._models:
             self._arm(m)
 

@@ -48,6 +48,8 @@ class ShardedLoader:
         """Samples of the current epoch's order (global count, all replicas) already handed out."""
         self.timing: Any = None
         """A run's step breakdown (observe.Breakdown) that times the wait for each batch while profiling."""
+        self.step_state: Any = None
+        """The run's micro-step state (parallel.step_state) its batches set the rows of; None: the active run's."""
         self.sampler = EpochSampler(self)
         """What tutorials call `loader.sampler`: `set_epoch` moves this loader's order."""
         self._drawn: tuple[int, Epoch] | None = None
@@ -128,7 +130,7 @@ class ShardedLoader:
                     self.consumed = item.end
                 self._stamp, self._weight = next(_STAMPS), item.weight
                 self._unclaimed += 1
-                randomness.set_rows_before(item.rows_before)
+                randomness.set_rows_before(item.rows_before, self.step_state)
                 yield batch
         self._weight = ONE
         if not self.evaluation:

@@ -26,6 +26,7 @@ from torch import fx, nn
 
 from .. import _forwards
 from ..errors import ParatrainError
+from .step_state import active
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 
@@ -132,7 +133,9 @@ class _Pending:
         self.squares: torch.Tensor | None = None
 
 
-_PENDING: dict[str, _Pending] = {}
+def _pending() -> dict[str, _Pending]:
+    """This step's sums, held by the active run (`step_state`)."""
+    return active().batchnorm
 
 
 def deferred_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -144,9 +147,10 @@ def deferred_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
     dims = [d for d in range(x.dim()) if d != 1]
     with torch.no_grad():
         flat = x.detach().double()
-        pending = _PENDING.get(key)
+        held = _pending()
+        pending = held.get(key)
         if pending is None:
-            pending = _PENDING[key] = _Pending((running_mean, running_var, tracked), momentum)
+            pending = held[key] = _Pending((running_mean, running_var, tracked), momentum)
         pending.rows += x.numel() // x.shape[1]
         total, squares = flat.sum(dims), (flat * flat).sum(dims)
         pending.total = total if pending.total is None else pending.total + total
@@ -156,15 +160,16 @@ def deferred_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
 
 def commit() -> None:
     """End of a training step: update every layer's running statistics once, from all its micro-batches."""
+    held = _pending()
     with torch.no_grad():
-        for pending in _PENDING.values():
+        for pending in held.values():
             if pending.rows == 0 or pending.total is None or pending.squares is None:
                 continue
             mean = pending.total / pending.rows
             var = pending.squares / pending.rows - mean * mean
             _update_running(pending.running_mean, pending.running_var, pending.tracked, pending.momentum, mean, var,
                             pending.rows)
-    _PENDING.clear()
+    held.clear()
 
 
 def _update_running(running_mean: torch.Tensor, running_var: torch.Tensor, tracked: torch.Tensor | None,
@@ -181,17 +186,18 @@ def _update_running(running_mean: torch.Tensor, running_var: torch.Tensor, track
 
 
 def snapshot() -> dict[str, _Pending]:
-    return dict(_PENDING)
+    return dict(_pending())
 
 
 def restore(pending: dict[str, _Pending]) -> None:
-    _PENDING.clear()
-    _PENDING.update(pending)
+    held = _pending()
+    held.clear()
+    held.update(pending)
 
 
 def discard() -> None:
     """Forget what trial steps collected (they leave no trace)."""
-    _PENDING.clear()
+    _pending().clear()
 
 
 def defer_modules(model: nn.Module) -> None:

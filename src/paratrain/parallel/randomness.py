@@ -30,58 +30,53 @@ import torch
 from torch import nn
 
 from .. import _forwards
+from .step_state import DropoutPosition, StepState, active
 
 _MASK32 = 0xFFFFFFFF
 _ROW_MIX = 0x9E3779B1
 
 
-class _Context:
-    """Where the current forward is: seed, micro-step and the first global row of this worker's rows."""
-
-    def __init__(self) -> None:
-        self.seed = 0
-        self.step = 0
-        self.rows_before = 0
-        self.calls: dict[tuple[str, int, int], int] = {}
+def _at(state: StepState | None = None) -> DropoutPosition:
+    """The position of `state` (a run's), or of the active run's."""
+    return (state or active()).dropout
 
 
-_CTX = _Context()
+def set_seed(seed: int, state: StepState | None = None) -> None:
+    _at(state).seed = seed
 
 
-def set_seed(seed: int) -> None:
-    _CTX.seed = seed
-
-
-def at_micro_step(step: int) -> None:
+def at_micro_step(step: int, state: StepState | None = None) -> None:
     """The micro-step the next forward belongs to (the run's step counter)."""
-    if step != _CTX.step:
-        _CTX.step = step
-        _CTX.calls.clear()
+    at = _at(state)
+    if step != at.step:
+        at.step = step
+        at.calls.clear()
 
 
-def set_rows_before(rows: int) -> None:
+def set_rows_before(rows: int, state: StepState | None = None) -> None:
     """Global rows of the current global batch that come before this worker's share (the loader sets it)."""
-    _CTX.rows_before = rows
+    _at(state).rows_before = rows
 
 
 @contextmanager
 def rows_offset(extra: int) -> Iterator[None]:
     """Within the block, rows start `extra` rows further into the worker's share (a micro-batch)."""
-    before = _CTX.rows_before
-    _CTX.rows_before = before + extra
+    at = _at()
+    before = at.rows_before
+    at.rows_before = before + extra
     try:
         yield
     finally:
-        _CTX.rows_before = before
+        at.rows_before = before
 
 
 def snapshot() -> dict[tuple[str, int, int], int]:
     """The per-layer call counts of the current micro-step (trial steps put them back afterwards)."""
-    return dict(_CTX.calls)
+    return dict(_at().calls)
 
 
 def restore(calls: dict[tuple[str, int, int], int]) -> None:
-    _CTX.calls = dict(calls)
+    _at().calls = dict(calls)
 
 
 Position = tuple[int, int, dict[tuple[str, int, int], int]]
@@ -89,19 +84,21 @@ Position = tuple[int, int, dict[tuple[str, int, int], int]]
 
 
 def position() -> Position:
-    return _CTX.step, _CTX.rows_before, dict(_CTX.calls)
+    at = _at()
+    return at.step, at.rows_before, dict(at.calls)
 
 
 @contextmanager
-def replaying(at: Position) -> Iterator[None]:
-    """Inside, forwards draw the masks they drew at `at` (a recomputation in the backward: activation
+def replaying(where: Position) -> Iterator[None]:
+    """Inside, forwards draw the masks they drew at `where` (a recomputation in the backward: activation
     checkpointing); the current position is back afterwards."""
+    at = _at()
     now = position()
-    _CTX.step, _CTX.rows_before, _CTX.calls = at[0], at[1], dict(at[2])
+    at.step, at.rows_before, at.calls = where[0], where[1], dict(where[2])
     try:
         yield
     finally:
-        _CTX.step, _CTX.rows_before, _CTX.calls = now
+        at.step, at.rows_before, at.calls = now
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +111,8 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _base(key: str, call: int) -> int:
-    text = f"{_CTX.seed}/{_CTX.step}/{key}/{call}".encode()
+    at = _at()
+    text = f"{at.seed}/{at.step}/{key}/{call}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
 
 
@@ -125,7 +123,7 @@ def keep_mask(shape: torch.Size, p: float, key: str, call: int, device: torch.de
     per_row = 1
     for d in shape[1:]:
         per_row *= d
-    start = _CTX.rows_before if rows_before is None else rows_before
+    start = _at().rows_before if rows_before is None else rows_before
     row = torch.arange(start, start + rows, device=device, dtype=torch.int64).view(rows, 1)
     col = torch.arange(per_row, device=device, dtype=torch.int64).view(1, per_row)
     bits = _mix(_mix(col ^ _base(key, call)) ^ ((row * _ROW_MIX) & _MASK32))
@@ -148,9 +146,10 @@ def dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0, cha
 
 
 def _next_call(key: str) -> int:
-    slot = (key, _CTX.step, _CTX.rows_before)
-    call = _CTX.calls.get(slot, 0)
-    _CTX.calls[slot] = call + 1
+    at = _at()
+    slot = (key, at.step, at.rows_before)
+    call = at.calls.get(slot, 0)
+    at.calls[slot] = call + 1
     return call
 
 
@@ -161,23 +160,25 @@ def _draw(module: nn.Module, key: str, x: torch.Tensor, channels: bool) -> torch
     return dropout(x, module.p, module.training, key, _next_call(key), channels)  # type: ignore[arg-type]
 
 
-_module_draw: Any = _draw
-_graph_draw: Any = dropout
+def _draws() -> tuple[Any, Any]:
+    """(module draw, graph draw): plain, or run eagerly inside compiled code once `eager_under_compile` ran."""
+    eager = active().eager_draws
+    return eager if eager is not None else (_draw, dropout)
 
 
 def graph_dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0,
                   channels: bool = False) -> torch.Tensor:
     """`dropout` as a traced graph calls it (pipeline stages), through what `eager_under_compile` sets."""
-    return _graph_draw(x, p, train, key, call, channels)  # type: ignore[no-any-return]
+    return _draws()[1](x, p, train, key, call, channels)  # type: ignore[no-any-return]
 
 
 def eager_under_compile() -> None:
-    """From now on the masks are drawn eagerly inside compiled code: their position (micro-step, rows, call) is
-    Python state that torch.compile would bake into its graph and recompile for at every step, until it gave
-    up and ran the whole block eagerly. Called by `setup(compile=...)`; imports torch's compiler."""
-    global _module_draw, _graph_draw
-    if _module_draw is _draw:
-        _module_draw, _graph_draw = torch.compiler.disable(_draw), torch.compiler.disable(dropout)
+    """From now on the active run's masks are drawn eagerly inside compiled code: their position (micro-step,
+    rows, call) is Python state that torch.compile would bake into its graph and recompile for at every step,
+    until it gave up and ran the whole block eagerly. Called by `setup(compile=...)`; imports torch's compiler."""
+    state = active()
+    if state.eager_draws is None:
+        state.eager_draws = (torch.compiler.disable(_draw), torch.compiler.disable(dropout))
 
 
 def _module_forward(module: nn.Module, key: str) -> Any:
@@ -186,7 +187,7 @@ def _module_forward(module: nn.Module, key: str) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not module.training or module.p == 0.0:  # an evaluation between steps draws nothing, counts no call
             return x
-        return _module_draw(module, key, x, channels)  # type: ignore[no-any-return]
+        return _draws()[0](module, key, x, channels)  # type: ignore[no-any-return]
 
     return forward
 

@@ -2,16 +2,16 @@
 
 A pipeline rank holds only its stages, so `torch.nn.utils.clip_grad_norm_(model.parameters(), c)` there clips
 by the stage's norm: each stage is scaled by its own factor and the run trains to other weights than one
-process, with no error (the line is in almost every LLM loop). Multi-rank pipelines register their stages'
-parameters here; from the first registration on, torch's function (`torch.nn.utils.clip_grad_norm_` and
-`torch.nn.utils.clip_grad.clip_grad_norm_`) raises a ParatrainError pointing at `run.clip_grad_norm_` when
-given one of them, and is torch's own, unchanged, for any other parameters. A name bound before `prepare`
-(`from torch.nn.utils import clip_grad_norm_` at the top of a script) keeps torch's function and is not seen.
+process, with no error (the line is in almost every LLM loop). Multi-rank pipelines mark their stages'
+parameters (an attribute on each parameter, so the mark lives and dies with it); from the first mark on,
+torch's function (`torch.nn.utils.clip_grad_norm_` and `torch.nn.utils.clip_grad.clip_grad_norm_`) raises a
+ParatrainError pointing at `run.clip_grad_norm_` when given one of them, and is torch's own, unchanged, for any
+other parameters. A name bound before `prepare` (`from torch.nn.utils import clip_grad_norm_` at the top of a
+script) keeps torch's function and is not seen.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,22 +20,20 @@ import torch
 from ...errors import ParatrainError
 
 _ORIGINAL = torch.nn.utils.clip_grad.clip_grad_norm_
-_STAGES: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-"""id(parameter) -> (the parameter, weakly; the pipeline rank holding it)."""
+_MARK = "_paratrain_pipeline_rank"
 
 
 def register(parameters: Iterable[torch.Tensor], pp_rank: int) -> None:
     """Mark these as one pipeline rank's parameters, and put the guard in front of torch's function."""
     for p in parameters:
-        _STAGES[id(p)] = (weakref.ref(p), pp_rank)
+        setattr(p, _MARK, pp_rank)
     torch.nn.utils.clip_grad_norm_ = _guarded
     torch.nn.utils.clip_grad.clip_grad_norm_ = _guarded
 
 
 def stage_rank(p: torch.Tensor) -> int | None:
-    """The pipeline rank holding `p`, if it is a registered stage parameter still alive."""
-    held = _STAGES.get(id(p))
-    return held[1] if held is not None and held[0]() is p else None
+    """The pipeline rank holding `p`, if it is a stage parameter."""
+    return getattr(p, _MARK, None)
 
 
 def _guarded(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *args: Any, **kwargs: Any) -> Any:

@@ -345,15 +345,14 @@ class PipelineModule(nn.Module):
         return local
 
 
-_RETURN_OUTPUTS: dict[str, bool] = {}
-
-
 def _takes_return_outputs(schedule: Any) -> bool:
     """Newer torch can skip merging the last stage's outputs (we only need the losses)."""
-    name = type(schedule).__name__
-    if name not in _RETURN_OUTPUTS:
-        _RETURN_OUTPUTS[name] = "return_outputs" in inspect.signature(schedule.step).parameters
-    return _RETURN_OUTPUTS[name]
+    return _step_takes_return_outputs(type(schedule).step)
+
+
+@functools.cache
+def _step_takes_return_outputs(step: Callable[..., Any]) -> bool:
+    return "return_outputs" in inspect.signature(step).parameters
 
 
 def global_loss(local: torch.Tensor | None, replicas: int, device: torch.device) -> torch.Tensor:
