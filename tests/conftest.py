@@ -69,6 +69,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.quick)
 
 
+@pytest.fixture
+def traced_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches fork from the template that has traced every zoo model (helpers.fork_from_traced_template)."""
+    from helpers import fork_from_traced_template
+
+    fork_from_traced_template(monkeypatch)
+
+
 @pytest.fixture(autouse=True)
 def _quick_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under `-m quick`, starting Python (a worker, a launcher, a script) or a shell fails the test; small tools

@@ -199,3 +199,11 @@ def check_job(strategy: str, world: int = 1, **options: object) -> None:
     ctx = Context(config=make_config({"strategy": strategy, **options}),
                   placement=Placement(world_size=world, local_world_size=world), device=torch.device("cpu"))
     get(strategy).check(ctx)
+
+
+def fork_from_traced_template(patch: Any) -> None:
+    """Launches made under `patch` (a pytest MonkeyPatch) fork from a template that has traced every zoo model
+    (tests/matrix_warm.py), one per test process: the correctness matrix and the resume grid share it."""
+    tests = str(Path(__file__).parent)
+    patch.setenv("PARATRAIN_WARM_WORKERS", os.environ.get("PARATRAIN_WARM_WORKERS", "torch") + ",matrix_warm")
+    patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))

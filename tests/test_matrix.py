@@ -24,7 +24,6 @@ every block (every layer of a stage) of every rank compiled, and the results equ
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -226,14 +225,6 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
             if w["stage_params"] is None or len(w["stage_params"]) != 2 or 0 in w["stage_params"]:
                 problems.append(f"rank {i}: stages hold {w['stage_params']} parameter elements (want 2 stages)")
     return problems
-
-
-@pytest.fixture
-def traced_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Launches fork from a template that has traced every zoo model (tests/matrix_warm.py)."""
-    tests = str(Path(__file__).parent)
-    monkeypatch.setenv("PARATRAIN_WARM_WORKERS", os.environ.get("PARATRAIN_WARM_WORKERS", "torch") + ",matrix_warm")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
 
 
 HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b", "ddp+tp"),

@@ -26,7 +26,7 @@ import pytest
 import torch
 import trace_cache
 import zoo
-from helpers import max_diff
+from helpers import fork_from_traced_template, max_diff
 from matrix_cells import full_state
 from zoo.reference import chunk, global_batches
 
@@ -163,13 +163,16 @@ def _launch(fn: Any, layout: str, *args: Any) -> list[Any]:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[dict[str, Any]]]]:
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
-    for layout in LAYOUTS:
-        folder = str(root / layout.replace("+", "_"))
-        out[layout] = (folder, _launch(_save, layout, folder))
+    with pytest.MonkeyPatch.context() as patch:
+        fork_from_traced_template(patch)
+        for layout in LAYOUTS:
+            folder = str(root / layout.replace("+", "_"))
+            out[layout] = (folder, _launch(_save, layout, folder))
     return out
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.usefixtures("traced_workers")
 @pytest.mark.parametrize("target", list(LAYOUTS))
 def test_every_checkpoint_resumes_under(target: str, saved: dict[str, tuple[str, list[dict[str, Any]]]]) -> None:
     plain = _plain()
