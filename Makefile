@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@# The bytecode most processes need, compiled now on all cores: otherwise the suite's first processes, started
 	@# together, each compile torch (and the sympy that torch.export uses) before any of them has written it.
 	$(PY) -m compileall -q -j 0 $(addprefix "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/,torch torchvision sympy) > /dev/null || true
-	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, yaml, tensorboard, tqdm" 
+	$(PY) -c "import paratrain, torch, matplotlib, pytest, kubernetes, transformers, peft, yaml, tensorboard, tqdm" 
 	touch $(STAMP)
 
 lint: setup

@@ -26,12 +26,12 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 # `paratrain.launch` workers fork from one warm template per test run (paratrain/launcher/_zygote.py), so a
 # multi-process test pays torch's import once, not per worker. What the template imports is what the tests'
-# workers import lazily (DDP imports torch._dynamo; the zoo builds transformers and torchvision models).
+# workers import lazily (DDP imports torch._dynamo; the zoo builds transformers, peft and torchvision models).
 WARM_MODULES = ",".join([
     "torch", "torch._dynamo", "torch.distributed.pipelining", "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "paratrain", "cloudpickle",
     "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
-    "transformers.models.bert.modeling_bert", "torchvision.models",
+    "transformers.models.bert.modeling_bert", "peft", "torchvision.models",
 ])
 os.environ.setdefault("PARATRAIN_WARM_WORKERS", WARM_MODULES)
 

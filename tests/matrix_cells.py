@@ -232,7 +232,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         batches = global_batches(case, 0, sizes)
         model = case.build(0)
         for name, param in model.named_parameters():
-            param.requires_grad_(not (cell.loop and loop_frozen(name)))
+            if cell.loop and loop_frozen(name):
+                param.requires_grad_(False)  # what the model froze itself (LoRA's base weights) stays frozen
         optim = LOOP_OPTIM if cell.loop else Optim()
         optimizer = optim.make([p for p in model.parameters() if p.requires_grad], case)
         mine = chunk(batches[0][0], replicas * (LOOP_ACCUM if cell.loop else 1))[replica]

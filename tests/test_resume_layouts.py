@@ -220,3 +220,46 @@ def test_another_model_is_refused_by_name(saved: dict[str, tuple[str, list[dict[
             run.load({"model": model, "optimizer": optimizer}, path=Path(saved[source][0]) / f"step-{SAVED_AT:09d}")
         assert "layers" in str(caught.value) or "blocks" in str(caught.value), caught.value
         run.close()
+
+
+def _save_lora(root: str) -> dict[str, torch.Tensor]:
+    """LoRA fine-tuning (peft) under pp, 4 stages as 2 per worker: two AdamW steps on the adapters, then a save."""
+    case = zoo.MODELS["hf_llama_lora"]
+    run = paratrain.setup(strategy="pp", schedule="interleaved-1f1b", stages_per_worker=2, balance="equal",
+                          microbatches=2, seed=0, accelerator="cpu", timeout_s=120)
+    model = case.build(0)
+    batches = global_batches(case, 0, SIZES)
+    with trace_cache.for_case("hf_llama_lora"):
+        model, optimizer = run.prepare(model, _adamw([p for p in model.parameters() if p.requires_grad]),
+                                       example=batches[0][0])
+    for inputs, targets in batches[:SAVED_AT]:
+        run.forward_backward(model, inputs, targets, case.loss_fn)
+        optimizer.step()
+        optimizer.zero_grad()
+    run.save({"model": model, "optimizer": optimizer}, path=root)
+    weights = full_state(run.unwrap(model))
+    run.close()
+    return weights
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("traced_workers")
+def test_a_lora_checkpoint_from_a_pipeline_loads_in_one_process(tmp_path: Path) -> None:
+    """What a LoRA user expects of a checkpoint: the whole model in peft's names (frozen base and trained adapters)
+    and the adapters' optimizer state, loaded bit for bit under another layout, adapters extractable by peft."""
+    import peft
+
+    case = zoo.MODELS["hf_llama_lora"]
+    saved = _merged([{"w": w} for w in paratrain.launch(_save_lora, str(tmp_path), nproc=2, timeout=200,
+                                                          accelerator="cpu", all_ranks=True)], "w")
+    run = paratrain.setup(strategy="single", seed=0, accelerator="cpu")
+    model = case.build(0)
+    model, optimizer = run.prepare(model, _adamw([p for p in model.parameters() if p.requires_grad]))
+    run.load({"model": model, "optimizer": optimizer}, path=tmp_path / f"step-{0:09d}")
+    loaded = full_state(model)
+    trained = {k for k in loaded if ".lora_" in k}
+    assert loaded.keys() == saved.keys() and max_diff(loaded, saved) == 0.0
+    initial = full_state(case.build(0))
+    assert max_diff({k: loaded[k] for k in trained}, {k: initial[k] for k in trained}) > 1e-4  # they trained
+    assert len(optimizer.state) == len(trained) == len(peft.get_peft_model_state_dict(model)) == 24
+    run.close()

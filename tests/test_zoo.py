@@ -15,7 +15,7 @@ import torch
 import zoo
 from torch import nn
 from zoo import compare
-from zoo.case import BATCH_SHAPE, BATCHNORM, DROPOUT, HF, SLOW, TAGS, TIED
+from zoo.case import ADAPTERS, BATCH_SHAPE, BATCHNORM, DROPOUT, HF, SLOW, TAGS, TIED
 from zoo.reference import DEFAULT_SIZES, Optim, Record, eval_batch, global_batches, run_reference, to_float32
 
 CASES = [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.has(SLOW) else []) for c in zoo.MODELS.values()]
@@ -44,8 +44,11 @@ def _equal(a: object, b: object) -> bool:
 
 def test_zoo_covers_the_layouts_of_the_issue() -> None:
     want = {"gpt", "gpt_dropout", "gpt_flat", "llama", "llama_tied", "cnn_bn", "cnn_bn_dropout", "resnet50", "mlp",
-            "tied_seq", "dict_io", "tuple_seq", "hf_gpt2", "hf_llama", "hf_bert", "hf_bert_kwargs"}
+            "tied_seq", "dict_io", "tuple_seq", "hf_gpt2", "hf_llama", "hf_bert", "hf_bert_kwargs", "hf_llama_lora"}
     assert set(zoo.MODELS) == want
+    lora = zoo.MODELS["hf_llama_lora"].build(0)
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable), trainable  # only the adapters train
     assert set().union(*(c.tags for c in zoo.MODELS.values())) == TAGS
     assert zoo.MODELS["gpt"].has("tied", "modulelist", "batch_shape") and not zoo.MODELS["gpt"].has(DROPOUT)
     assert zoo.MODELS["gpt_dropout"].has(DROPOUT) and zoo.MODELS["cnn_bn_dropout"].has(BATCHNORM, DROPOUT)
@@ -84,8 +87,9 @@ def test_forward_backward_reaches_every_parameter(case: zoo.ZooCase) -> None:
     loss = case.loss_fn(model(inputs), targets)
     assert loss.dim() == 0 and torch.isfinite(loss)
     loss.backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, f"parameters without a gradient: {missing}"
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)  # frozen ones (LoRA's base)
 
 
 PRECISIONS = [pytest.param(c, p, id=f"{c.name}-{p}", marks=[pytest.mark.slow] if c.has(SLOW) else [])
@@ -108,11 +112,11 @@ def test_reference_run_is_deterministic(case: zoo.ZooCase, precision: str) -> No
 @pytest.mark.parametrize("case", CASES)
 def test_loss_decreases(case: zoo.ZooCase) -> None:
     """Six AdamW steps on one batch: every model learns it (its loss falls by at least 15%; measured
-    21-89% for the fast cases)."""
+    21-89% for the fast cases). Rank-4 LoRA adapters on a random base learn slowly (measured 2.4%): at least 1%."""
     batch = case.batch(5, 8)
     optim = Optim(name="sgd", momentum=0.9) if case.has(SLOW) else Optim(name="adamw", lr=1e-2)
     losses = run_reference(case, [batch] * 6, optim=optim).losses
-    assert losses[-1] < 0.85 * losses[0], losses
+    assert losses[-1] < (0.99 if case.has(ADAPTERS) else 0.85) * losses[0], losses
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.values[0].has(SLOW)])  # type: ignore[union-attr]
@@ -148,7 +152,8 @@ def test_an_untrained_tensor_fails_the_tolerances(case: zoo.ZooCase) -> None:
     record = recorded(case.name, "fp32")
     final = record.weights[-1]
     moved = [k for k in final if float((final[k].double() - record.initial[k].double()).abs().max()) > 2e-5]
-    assert len(moved) > len(final) // 2
+    trained = [n for n, p in case.build(0).named_parameters() if p.requires_grad]  # LoRA: its adapters only
+    assert len(moved) > len(trained) // 2
     for precision, tol in case.tolerances.items():
         for key in moved:
             frozen = {key: record.initial[key]}

@@ -74,7 +74,7 @@ def _program(key: str, model: nn.Module, example: Any, training: bool) -> Any:
     else:
         CACHE.traces += 1
         with tracing._plain_modules(model, training):
-            program = torch.export.export(model, (example,), dynamic_shapes=(tracing._dynamic_batch(example),),
+            program = torch.export.export(model, (example,), dynamic_shapes=tracing.dynamic_shapes(model, example),
                                           strict=False)
         if path is not None:
             with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:

@@ -18,6 +18,7 @@ tolerances every strategy must meet against the plain-PyTorch reference (`zoo.re
 | dict_io | forward(dict) -> dict: {"input_ids", "mask"} -> {"logits"} |
 | tuple_seq | nn.Sequential whose layers pass (hidden, skip) tuples |
 | hf_gpt2, hf_llama, hf_bert, hf_bert_kwargs | transformers models from tiny configs (ModelOutput, kwargs) |
+| hf_llama_lora | the Llama with LoRA adapters from `peft`: frozen base weights, only the adapters train |
 
 Each module holds one family; this file only registers them.
 """
@@ -28,6 +29,7 @@ from functools import partial
 
 from . import data, gpt, hf, llama, structured, vision
 from .case import (
+    ADAPTERS,
     BATCH_SHAPE,
     BATCHNORM,
     DICT_IO,
@@ -98,6 +100,9 @@ _CASES = [
     ZooCase(name="hf_llama", about="transformers LlamaForCausalLM: GQA, rotary passed to every layer, ModelOutput",
             build=hf.build_llama, batch=data.lm_batch, loss_fn=data.hf_lm_loss, tolerances=_tol(),
             tags=frozenset({HF, MODULELIST, TRACED}), lr=0.5),
+    ZooCase(name="hf_llama_lora", about="LoRA (peft) on the transformers Llama: base frozen, adapters train",
+            build=hf.build_llama_lora, batch=data.lm_batch, loss_fn=data.hf_lm_loss, tolerances=_tol(),
+            tags=frozenset({HF, MODULELIST, TRACED, ADAPTERS}), lr=0.5),
     ZooCase(name="hf_bert", about="transformers BertForSequenceClassification on input_ids (positional)",
             build=hf.build_bert, batch=hf.bert_ids_batch, loss_fn=data.hf_class_loss, tolerances=_tol(),
             tags=frozenset({HF, MODULELIST, TRACED}), lr=0.2),

@@ -29,7 +29,8 @@ BATCH_SHAPE = "batch_shape"  # forward reshapes with the batch size (x.view(b, t
 TRACED = "traced"  # not an nn.Sequential: a pipeline must trace it to split it
 HF = "hf"  # a Hugging Face transformers model (ModelOutput, keyword arguments)
 SLOW = "slow"  # seconds per cell rather than milliseconds: tests mark it @pytest.mark.slow
-TAGS = frozenset({TIED, MODULELIST, DROPOUT, BATCHNORM, DICT_IO, TUPLE_IO, BATCH_SHAPE, TRACED, HF, SLOW})
+ADAPTERS = "adapters"  # parameter-efficient fine-tuning: the base weights frozen, only adapters (LoRA) train
+TAGS = frozenset({TIED, MODULELIST, DROPOUT, BATCHNORM, DICT_IO, TUPLE_IO, BATCH_SHAPE, TRACED, HF, SLOW, ADAPTERS})
 
 
 @dataclass(frozen=True)

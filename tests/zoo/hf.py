@@ -45,6 +45,18 @@ def build_llama(seed: int) -> nn.Module:
         return tf.LlamaForCausalLM(cfg)
 
 
+def build_llama_lora(seed: int) -> nn.Module:
+    """Hugging Face Llama with LoRA adapters (the `peft` package) on its attention and MLP projections: the base
+    weights frozen, the adapters the only trainable parameters (peft starts B at zero, A at random)."""
+    import peft
+
+    model = build_llama(seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+    with seeded(seed + 1):
+        return peft.get_peft_model(model, config)  # type: ignore[no-any-return]
+
+
 def build_bert(seed: int) -> nn.Module:
     tf = _transformers()
     cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,

@@ -37,7 +37,8 @@ def base_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def split(state: dict[str, Any], unwrap: Unwrap) -> tuple[dict[str, nn.Module], dict[str, tuple[nn.Module, Any]]]:
-    """The modules and the (module, optimizer) pairs of `state` that DCP handles."""
+    """The modules and the (module, optimizer) pairs of `state` that DCP handles. An optimizer with no parameter on
+    this rank is left out here (torch's state-dict API refuses an empty one); the ranks that hold some write it."""
     modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, nn.Module)}
     optimizers: dict[str, tuple[nn.Module, Any]] = {}
     for key, value in state.items():
@@ -45,6 +46,8 @@ def split(state: dict[str, Any], unwrap: Unwrap) -> tuple[dict[str, nn.Module], 
             continue
         optimizer = base_optimizer(value)
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not params:  # a pipeline rank whose stages hold only frozen layers (LoRA's embeddings): nothing to keep
+            continue
         owners = [m for m in modules.values() if any(id(p) in params for p in m.parameters())]
         if not owners:
             raise CheckpointError(

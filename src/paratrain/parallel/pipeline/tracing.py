@@ -47,6 +47,16 @@ def _dynamic_batch(value: Any) -> Any:
     return None
 
 
+def dynamic_shapes(model: nn.Module, example: Any) -> tuple[Any, ...]:
+    """torch.export's dynamic_shapes for `model(example)`: one entry for the argument, nested one level deeper when
+    the forward takes `*args` (a wrapper such as peft's PeftModel), as torch.export matches them."""
+    import inspect
+
+    spec = _dynamic_batch(example)
+    params = list(inspect.signature(model.forward).parameters.values())
+    return ((spec,),) if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL else (spec,)
+
+
 def _widen(value: Any) -> Any:
     """An example of at least 2 rows: torch.export fixes a dimension of size 1 (or 0) to that size."""
     if isinstance(value, torch.Tensor):
@@ -76,7 +86,7 @@ def _export(model: nn.Module, example: Any, training: bool) -> fx.GraphModule:
     from torch.export import export
 
     with _plain_modules(model, training):
-        ep = export(model, (example,), dynamic_shapes=(_dynamic_batch(example),), strict=False)
+        ep = export(model, (example,), dynamic_shapes=dynamic_shapes(model, example), strict=False)
     return ep.module()  # type: ignore[return-value]
 
 
