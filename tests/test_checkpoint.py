@@ -324,3 +324,29 @@ def test_sharded_checkpoint_uses_dcp_and_loads_on_another_world_size(tmp_path: P
     moments = [s["exp_avg"] for s in optimizer.state.values()]
     assert len(moments) == 4 and all(float(m.full_tensor().abs().sum()) > 0 for m in moments)
     run.close()
+
+
+def _save_with_a_stray_optimizer_on_rank_1(ckpt: str) -> str:
+    run = paratrain.setup(strategy="fsdp", seed=0, checkpoint_dir=ckpt, timeout_s=30)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    if run.rank == 1:  # this rank's optimizer belongs to no model of the state: its state cannot be gathered
+        optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.01)
+    try:
+        run.save({"model": model, "optimizer": optimizer, "step": 1})
+    except paratrain.ParatrainError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        run.close()
+    return "saved"
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_a_rank_whose_state_cannot_be_gathered_fails_every_rank_before_the_collective_write(tmp_path: Path) -> None:
+    """The error is every rank's, naming the rank and the cause, raised before any rank enters DCP's collectives;
+    before, the healthy rank waited in DCP for the failed one until the timeout (a CollectiveTimeout)."""
+    said = paratrain.launch(_save_with_a_stray_optimizer_on_rank_1, str(tmp_path), nproc=2, timeout=100,
+                            all_ranks=True)
+    for text in said:
+        assert text.startswith("CheckpointError: rank 1:") and "belong to no model" in text, text

@@ -90,9 +90,19 @@ def save(
     root = Path(root)
     tmp = Path(_on_rank0(rank, lambda: str(store.begin(root, step))))
 
+    gathered: dict[str, Any] = {}
+
+    def gather() -> None:
+        if sharded_state:
+            gathered.update(sharded.gather(user_state, unwrap))
+
+    # A rank whose state cannot be gathered fails every rank here, naming it, before anyone enters DCP's
+    # collectives (where the others would wait for it until the timeout).
+    _everywhere(rank, gather)
+
     def write() -> None:
         if sharded_state:
-            sharded.save(tmp, user_state, unwrap)
+            sharded.save(tmp, gathered)
             rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
             _torch_save({"state": rest, "extra": extra}, tmp / f"rank-{rank}.pt")
         else:

@@ -76,12 +76,17 @@ def _state_dicts(modules: dict[str, nn.Module], optimizers: dict[str, tuple[nn.M
     return out
 
 
-def save(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
-    """Collective: every rank writes its shards into `checkpoint/model/`."""
+def gather(state: dict[str, Any], unwrap: Unwrap) -> dict[str, Any]:
+    """This rank's model and optimizer state dicts, as DCP writes them (`save`); no collective, so a rank that
+    fails here can say so before any rank enters DCP's."""
+    return _state_dicts(*split(state, unwrap))
+
+
+def save(checkpoint: Path, state_dicts: dict[str, Any]) -> None:
+    """Collective: every rank writes its shards (from `gather`) into `checkpoint/model/`."""
     import torch.distributed.checkpoint as dcp
 
-    modules, optimizers = split(state, unwrap)
-    dcp.save(_state_dicts(modules, optimizers), checkpoint_id=str(checkpoint / _DIR))
+    dcp.save(state_dicts, checkpoint_id=str(checkpoint / _DIR))
 
 
 def _check_fits(checkpoint: Path, target: dict[str, Any]) -> None:

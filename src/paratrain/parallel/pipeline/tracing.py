@@ -12,6 +12,7 @@ report use the user's own names (`blocks.0` ... `blocks.3`) and how dropout laye
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,8 +51,6 @@ def _dynamic_batch(value: Any) -> Any:
 def dynamic_shapes(model: nn.Module, example: Any) -> tuple[Any, ...]:
     """torch.export's dynamic_shapes for `model(example)`: one entry for the argument, nested one level deeper when
     the forward takes `*args` (a wrapper such as peft's PeftModel), as torch.export matches them."""
-    import inspect
-
     spec = _dynamic_batch(example)
     params = list(inspect.signature(model.forward).parameters.values())
     return ((spec,),) if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL else (spec,)
