@@ -6,7 +6,7 @@ BatchNorm over micro-batches collects each layer's sums until the step ends (`ba
 is reduced over the ranks asynchronously, waited for when read or by the next reduction (`collectives`). That
 state belongs to a run: `setup` makes a `StepState` for its run (`Run.step.state`) and activates it, and the
 run's own calls activate it again, so two runs in one process (a training run and an evaluation run, or two
-notebooks cells' runs) never share a micro-step.
+notebook cells) never share a micro-step.
 
 Code deep inside a forward cannot be handed the object: a traced pipeline stage calls dropout and deferred
 BatchNorm as functions written into its graph, and autograd's recomputation (activation checkpointing) may run
