@@ -9,7 +9,6 @@ so a checkpoint resumes on any world size.
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -17,11 +16,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..errors import ParatrainError
-from ..parallel import randomness
+from ..parallel import randomness, step_state
 from .order import Epoch, read_order
 from .plan import ONE, Batch, Layout, Weight, batch_ends, check_epoch, evaluation_batches, replica_batches
-
-_STAMPS = itertools.count(1)
 
 
 class ShardedLoader:
@@ -128,7 +125,7 @@ class ShardedLoader:
             for batch, item in zip(batches, plan):
                 if not self.evaluation:
                     self.consumed = item.end
-                self._stamp, self._weight = next(_STAMPS), item.weight
+                self._stamp, self._weight = next((self.step_state or step_state.active()).batches), item.weight
                 self._unclaimed += 1
                 randomness.set_rows_before(item.rows_before, self.step_state)
                 yield batch

@@ -1,9 +1,10 @@
 """What the micro-step in flight knows, in one object per run, and the one place that says which run is active.
 
-Three parts of paratrain keep state between the calls of one micro-step: layout-independent dropout needs the
+Four parts of paratrain keep state between the calls of one micro-step: layout-independent dropout needs the
 seed, the micro-step, the first global row of this worker's share and how often each layer ran (`randomness`);
-BatchNorm over micro-batches collects each layer's sums until the step ends (`batchnorm`); and the step's loss
-is reduced over the ranks asynchronously, waited for when read or by the next reduction (`collectives`). That
+BatchNorm over micro-batches collects each layer's sums until the step ends (`batchnorm`); the step's loss
+is reduced over the ranks asynchronously, waited for when read or by the next reduction (`collectives`); and
+the batch the run's loaders yielded last decides how much the next micro-step's loss counts (`data.loader`). That
 state belongs to a run: `setup` makes a `StepState` for its run (`Run.step.state`) and activates it, and the
 run's own calls activate it again, so two runs in one process (a training run and an evaluation run, or two
 notebook cells) never share a micro-step.
@@ -17,6 +18,7 @@ Outside any run a default object serves (a model used before `setup`, or unit te
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +49,8 @@ class StepState:
     """Reductions started by `collectives.mean_later` whose result nobody has read yet."""
     eager_draws: tuple[Any, Any] | None = None
     """Set when the run compiles: dropout's draws wrapped to run eagerly inside compiled code (`randomness`)."""
+    batches: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    """Numbers the batches the run's training loaders yield, so the latest one weighs the next micro-step's loss."""
 
 
 _ACTIVE = StepState()
