@@ -99,5 +99,5 @@ def test_two_runs_in_one_process_keep_their_own_micro_step_state() -> None:
     got = _dropout_losses(first, 4, between=other_steps)
     assert got == want  # bit for bit
     assert len(set(got)) == len(got) and other.step.count == 12 and first.step.count == 4
+    other.close()  # the later run first, so each puts back the SIGTERM handler it found
     first.close()
-    other.close()

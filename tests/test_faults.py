@@ -97,6 +97,27 @@ def test_sigterm_waits_for_a_step_boundary_only_in_a_loop_that_polls_it() -> Non
     assert _in_child(stuck) == 128 + signal.SIGTERM
 
 
+def test_sigterm_keeps_its_meaning_after_runs_closed_out_of_order() -> None:
+    """Two runs closed first-made-first leave the first run's handler installed; SIGTERM in a loop that does not
+    poll still ends the process by the signal (it recursed through the stale handler and raised before)."""
+    import paratrain
+
+    before = signal.getsignal(signal.SIGTERM)
+    first, other = paratrain.setup(strategy="single"), paratrain.setup(strategy="single")
+    first.close()
+    other.close()
+
+    def not_polled() -> int:
+        StopRequest().install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0  # not reached
+
+    try:
+        assert _in_child(not_polled) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
 # -- tier 3 -------------------------------------------------------------------------------------------
 def _diverge() -> str:
     run = pt.setup(strategy="ddp", timeout_s=2)

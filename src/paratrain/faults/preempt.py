@@ -63,7 +63,8 @@ class StopRequest:
         self.uninstall()
         if callable(self._previous):
             self._previous(signum, frame)
-        else:
+        else:  # the default action, set here too: a handler of a run closed out of order may still be installed
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _expire(self) -> None:
