@@ -281,10 +281,13 @@ def _attach(owner: nn.Module, path: str, module: nn.Module) -> None:
 
 def _calls_layer(node: fx.Node, model: nn.Module) -> bool:
     """A call of one of the user's modules: a tensor-parallel layer the graph runs as itself (tensor.traced)."""
+    if node.op != "call_module":
+        return False
     try:
-        return node.op == "call_module" and isinstance(model.get_submodule(str(node.target)), nn.Module)
+        model.get_submodule(str(node.target))
     except AttributeError:
         return False
+    return True
 
 
 def _belongs_to(model: nn.Module, target: str) -> bool:

@@ -131,9 +131,9 @@ class PipelineModule(nn.Module):
         mine = {id(p) for s in local for p in s.parameters()}
         for p in model.parameters():
             if id(p) not in mine:  # another worker's layer: keep the object (the optimizer holds it), drop the data
-                if hasattr(p, "to_local"):  # a tensor-parallel shard: its local piece
-                    p.to_local().data = torch.empty(0, dtype=p.dtype, device=p.device)
-                else:
+                # (a tensor-parallel shard keeps its local piece: a DTensor's data cannot be swapped through
+                # `.data`, and only the user's unsplit model still refers to it)
+                if not hasattr(p, "to_local"):
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
         self.plan.balance = balance
