@@ -1,14 +1,15 @@
 """The one place where paratrain replaces a module instance's `forward`.
 
-Four features need a module to run differently without changing its class or the user's code: autocast
-around the model (`precision`), layout-independent dropout masks (`parallel.randomness`), deferred BatchNorm
+Four features need a module to run differently without changing its class or the user's code: autocast around
+the model (`precision`), layout-independent dropout masks (`parallel.randomness`), deferred BatchNorm
 statistics over micro-batches (`parallel.batchnorm`) and the activation meter around pipeline stages
-(`parallel.pipeline.memory`). Forward hooks cannot do it (they cannot replace the computation, and the micro-step
-must not depend on hooks), and wrapper modules would change the user's parameter names, which checkpoints
-and tensor-parallel plans key on. So the instance's `forward` is replaced here, and every replacement is
-recorded on the module with the reason. Whoever needs the model's own forwards (the tracer), or must know
-what was changed (a second run in the same process, a tensor-parallel plan), asks `replaced` instead of
-guessing from `module.__dict__`.
+(`parallel.pipeline.memory`); and the planner's tensor-parallel profile watches the planned Linears for the
+one forward it measures (`planner.tensor_profile`). Forward hooks cannot do it (they cannot replace the
+computation, and the micro-step must not depend on hooks), and wrapper modules would change the user's
+parameter names, which checkpoints and tensor-parallel plans key on. So the instance's `forward` is replaced
+here, and every replacement is recorded on the module with the reason. Whoever needs the model's own forwards
+(the tracer), or must know what was changed (a second run in the same process, a tensor-parallel plan), asks
+`replaced` instead of guessing from `module.__dict__`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 from .bench.jobs import Settings
 from .bench.planned import Choice, Plan
 from .errors import ParatrainError
-from .planner.layout import PIPELINED, STRATEGIES, Layout
+from .planner.layout import STRATEGIES, Layout, axes
 from .planner.predict import Prediction
 
 OPTIMIZER = "sgd"
@@ -34,11 +34,26 @@ def plannable(names: Sequence[str] | None) -> tuple[str, ...]:
 
 def _choice(p: Prediction) -> Choice:
     layout: Layout = p.layout
-    pipelined = layout.strategy in PIPELINED
+    pipelined = layout.pipelined
     return Choice(label=layout.label, strategy=layout.strategy, processes=layout.processes, devices=layout.devices,
                   microbatches=layout.microbatches if pipelined else None, schedule=layout.schedule,
                   stages_per_worker=layout.stages_per_worker, grad_accum=layout.grad_accum,
                   predicted_step_s=p.step_s)
+
+
+def _bench_runs(layout: Layout, say: Callable[[str], None]) -> bool:
+    """The bench runs an N-D name at the grammar's default degrees for its worker count (`parallel.dims`); a
+    layout with other degrees is left to `paratrain plan`, with a line saying so."""
+    if not axes(layout.strategy) or layout.tp == 1 and layout.strategy in ("ddp", "fsdp", "pp", "ddp+pp"):
+        return True
+    from .parallel.dims import dims_for
+
+    dims = dims_for(layout.strategy, layout.devices)
+    if (dims.tp, dims.pp) == (layout.tp, layout.pp):
+        return True
+    say(f"bench --plan: {layout.label} is not timed (the bench runs {layout.strategy} on {layout.devices} workers as "
+        f"{dims.describe()}); see it in paratrain plan")
+    return False
 
 
 def make_plan(workload: str, settings: Settings, workers: list[int], strategies: Sequence[str] | None,
@@ -72,7 +87,7 @@ def make_plan(workload: str, settings: Settings, workers: list[int], strategies:
                                 schedules=schedules or search.PIPELINE_SCHEDULES)
     single = search.layouts(profile, cluster.resized(1), batch, precision=settings.precision, optimizer=OPTIMIZER,
                             devices=1, strategies=("single",))
-    fitting = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
+    fitting = sorted((p for p in found if p.fits and _bench_runs(p.layout, say)), key=lambda p: p.step_s)
     one = next((p for p in single if p.fits), None)
     return Plan(chosen=[_choice(p) for p in fitting[:top]], single=_choice(one) if one else None,
                 candidates=len(fitting) + (one is not None), cluster=cluster.name)

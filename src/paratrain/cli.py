@@ -70,7 +70,8 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=None, help="plan for this many of the cluster's devices")
     p.add_argument("--precision", default="32", choices=["32", "bf16", "16"])
     p.add_argument("--optimizer", default="adam", choices=["adam", "momentum", "sgd"])
-    p.add_argument("--strategies", default="single,ddp,fsdp,pp,ddp+pp,mp", help="strategies to consider")
+    p.add_argument("--strategies", default="single,ddp,fsdp,pp,ddp+pp,mp,tp,ddp+tp,fsdp+tp,tp+pp,ddp+tp+pp",
+                   help="strategies to consider")
     p.add_argument("--top", type=int, default=10, help="layouts to show (all go to plan.json)")
     p.add_argument("--out", default=None, help="directory for plan.json, the scaling plot and validation.json")
     p.add_argument("--validate", action="store_true",

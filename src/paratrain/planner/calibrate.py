@@ -3,7 +3,8 @@
 Two CPU workers (one thread each, as `paratrain run` starts them) time every collective the strategies
 use over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha and beta are fitted per
 collective (`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is
-almost all schedule overhead (sends, receives, Python), and report their resident memory once torch's
+almost all schedule overhead (sends, receives, Python), and a tensor-parallel pair of tiny Linears against
+the same pair whole (DTensor's per-call cost), and report their resident memory once torch's
 dense kernels have run (code and math-library workspaces resident, no model): the floor every
 worker's measured peak includes. One core times matrix products of growing size for its peak rate
 and efficiency curve, and a large copy for its memory bandwidth; one process times paratrain's loop
@@ -81,6 +82,27 @@ def _pipeline_step(repeats: int) -> float:
     return _timed(lambda: run.forward_backward(model, x, y, loss), repeats)
 
 
+def _tensor_parallel_overhead(repeats: int) -> float:
+    """Seconds one DTensor Linear adds per forward and backward over the plain Linear, beyond its all-reduce: a
+    column/row pair of tiny Linears, timed sharded over the workers and whole, less the pair's two all-reduces."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def pair() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    plain = pair()
+    sharded = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(8, 8)
+    small = torch.ones(64)
+    whole = _timed(lambda: plain(x).sum().backward(), repeats)
+    split = _timed(lambda: sharded(x).sum().backward(), repeats)
+    reduce = _timed(lambda: dist.all_reduce(small), repeats)
+    return max(0.0, (split - whole - 2 * reduce) / 2)
+
+
 def _warm_dense_kernels() -> None:
     """One small training step of a dense layer: the math library's code and workspaces become resident, as
     in every worker that trains, so the floor measured after it is the floor a real worker starts from."""
@@ -97,6 +119,7 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     from ..collectives import max_over_world
 
     pipeline = _pipeline_step(repeats)  # starts the process group through paratrain.setup
+    tensor = max_over_world(_tensor_parallel_overhead(4 * repeats))
     _warm_dense_kernels()
     resident = resident_bytes()
     sweep: dict[str, list[tuple[int, float]]] = {}
@@ -109,7 +132,8 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
                 seconds /= 2
             points.append((n, max_over_world(seconds)))
         sweep[kind] = points
-    return {"sweep": sweep, "pipeline_step_s": max_over_world(pipeline), "resident_bytes": resident,
+    return {"sweep": sweep, "pipeline_step_s": max_over_world(pipeline), "tp_overhead_s": tensor,
+            "resident_bytes": resident,
             "world": dist.get_world_size()}
 
 
@@ -210,6 +234,6 @@ def measure(timeout: float = 300.0, repeats: int = 5, sizes: tuple[int, ...] = S
         memory_bandwidth=_memory_bandwidth(), intra=loopback, inter=loopback,
         efficiency=tuple((x, y) for x, y in curve),
         overlap=0.0, process_bytes=float(found["resident_bytes"]), reserved=0.0, action_overhead=action,
-        step_overhead=_framework_overhead(),
+        step_overhead=_framework_overhead(), tp_overhead=float(found["tp_overhead_s"]),
         collectives=collectives, measured_here=True,
     )

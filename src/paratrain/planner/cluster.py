@@ -80,6 +80,9 @@ class Cluster:
     step_overhead: float = 0.0
     """Seconds paratrain's loop adds per `run.forward_backward` call beyond the model (hooks, wrappers):
     measured here, 0 on GPUs where the host runs ahead of the device."""
+    tp_overhead: float = 0.0
+    """Seconds one tensor-parallel (DTensor) Linear adds per forward and backward beyond its math and its
+    all-reduce: sharding propagation and redistribution run in Python on every call. Measured here; 0 in specs."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Fitted (alpha, beta) per collective on one node, when measured here; overrides the intra link."""
     measured_here: bool = False
@@ -127,7 +130,7 @@ class Cluster:
             "efficiency": [list(p) for p in self.efficiency], "overlap": self.overlap,
             "process_gib": self.process_bytes / GIB, "reserved_gib": self.reserved / GIB,
             "action_overhead_us": self.action_overhead * 1e6, "step_overhead_us": self.step_overhead * 1e6,
-            "measured_here": self.measured_here,
+            "tp_overhead_us": self.tp_overhead * 1e6, "measured_here": self.measured_here,
         }
         if self.collectives:
             spec["collectives"] = {k: {"alpha_us": a * 1e6, "beta_s_per_gb": b * GB}
@@ -161,7 +164,7 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
     """A `Cluster` from the file format; every problem is named with the key to fix."""
     known = {"name", "kind", "description", "devices_per_node", "nodes", "device", "intra_node", "inter_node",
              "efficiency", "overlap", "process_gib", "reserved_gib", "action_overhead_us", "step_overhead_us",
-             "collectives", "measured_here"}
+             "tp_overhead_us", "collectives", "measured_here"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ParatrainError(f"cluster spec: unknown key(s) {unknown}; known keys: {sorted(known)}")
@@ -204,7 +207,8 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
         efficiency=tuple((float(a), float(b)) for a, b in curve), overlap=overlap,
         process_bytes=_number(spec, "process_gib", 0, "") * GIB, reserved=_number(spec, "reserved_gib", 0, "") * GIB,
         action_overhead=_number(spec, "action_overhead_us", 0, "") * 1e-6,
-        step_overhead=_number(spec, "step_overhead_us", 0, "") * 1e-6, collectives=collectives,
+        step_overhead=_number(spec, "step_overhead_us", 0, "") * 1e-6,
+        tp_overhead=_number(spec, "tp_overhead_us", 0, "") * 1e-6, collectives=collectives,
         measured_here=bool(spec.get("measured_here", False)),
     )
 

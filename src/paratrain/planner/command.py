@@ -37,7 +37,7 @@ class PlanRequest:
     top: int = 10
     out: str | None = None
     validate: bool = False
-    strategies: tuple[str, ...] = ("single", "ddp", "fsdp", "pp", "ddp+pp", "mp")
+    strategies: tuple[str, ...] = STRATEGIES
     steps: int = 5
     warmup: int = 2
     repeat: int = 2
@@ -93,7 +93,7 @@ def load_profile(request: PlanRequest, cluster: Cluster, say: Say = print) -> tu
     say(f"paratrain plan: profiling {workload.name} layer by layer at micro-batch sizes {sizes} (one thread)")
     torch.manual_seed(0)
     profile = measure(workload.model(), workload.data, workload.loss(), sizes, name=workload.name,
-                      precision=request.precision, optimizer=request.optimizer)
+                      precision=request.precision, optimizer=request.optimizer, tp_plan=workload.tp_plan)
     return profile, batch
 
 

@@ -42,6 +42,17 @@ class LayerCost:
     """Bytes of the output (what a pipeline sends to the next stage), per sample."""
     seconds: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Micro-batch size -> (forward, backward) seconds measured on this machine."""
+    tp_share: float = 0.0
+    """Share of the forward FLOPs that tensor parallelism splits over its ranks: the planned Linears and what runs
+    between a column-split Linear and its row-split partner (attention over the local heads, the MLP's activation)."""
+    tp_activation_share: float | None = None
+    """Share of the saved activations that tensor parallelism splits (None: `tp_share`)."""
+    tp_params: int = 0
+    """Parameters in the planned Linears, which each tensor rank holds a 1/tp share of."""
+    tp_forward_reduces: tuple[float, ...] = ()
+    """Per-sample bytes of each all-reduce over the tensor ranks in the forward (a row-split Linear's output)."""
+    tp_backward_reduces: tuple[float, ...] = ()
+    """Per-sample bytes of each all-reduce in the backward (a column-split Linear's input gradient)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -67,6 +78,11 @@ class Profile:
     """Seconds per parameter of one optimizer step, measured here (None: from memory bandwidth)."""
     step_overhead_s: float = 0.0
     """Per forward-backward call, measured: the whole step minus its layers (Python, hooks, loss glue)."""
+    tp_width: int = 0
+    """Greatest common divisor of the dimensions tensor parallelism splits: a tensor degree must divide it
+    (0: the model has no tensor-parallel plan, see `tp_note`)."""
+    tp_note: str | None = None
+    """Why tensor-parallel layouts do not apply (the plan's refusal), or where the plan came from."""
 
     @property
     def params(self) -> int:
@@ -76,6 +92,11 @@ class Profile:
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
 
+    @property
+    def tp_modules(self) -> int:
+        """Planned Linears: each is one DTensor module call forward and backward."""
+        return sum(len(layer.tp_forward_reduces) + len(layer.tp_backward_reduces) for layer in self.layers)
+
     def flops_per_sample(self) -> float:
         return sum(layer.flops_fwd + layer.flops_bwd for layer in self.layers)
 
@@ -84,11 +105,11 @@ class Profile:
                 "params": self.params, "layers": [layer.as_dict() for layer in self.layers]}
 
 
-def _interpolate(seconds: dict[int, tuple[float, float]], b: int) -> tuple[float, float]:
+def _interpolate(seconds: dict[int, tuple[float, float]], b: float) -> tuple[float, float]:
     """Measured (forward, backward) at micro-batch b: exact, linear between the nearest sizes, or scaled
     in proportion to b from the nearest one outside the measured range."""
-    if b in seconds:
-        return seconds[b]
+    if b == int(b) and int(b) in seconds:
+        return seconds[int(b)]
     sizes = sorted(seconds)
     below = [s for s in sizes if s < b]
     above = [s for s in sizes if s > b]
@@ -115,7 +136,7 @@ class LayerTime:
         return self.backward * self.weight_share
 
 
-def layer_time(layer: LayerCost, b: int, cluster: Cluster, precision: str, measured: bool) -> LayerTime:
+def layer_time(layer: LayerCost, b: float, cluster: Cluster, precision: str, measured: bool) -> LayerTime:
     """Seconds of `layer` on micro-batch `b` on one device of `cluster`."""
     if measured and layer.seconds:
         fwd, bwd = _interpolate(layer.seconds, b)
@@ -132,7 +153,7 @@ def uses_measurements(profile: Profile, cluster: Cluster, precision: str) -> boo
     return cluster.measured_here and profile.source == "measured" and profile.precision == precision
 
 
-def times(profile: Profile, b: int, cluster: Cluster, precision: str) -> list[LayerTime]:
+def times(profile: Profile, b: float, cluster: Cluster, precision: str) -> list[LayerTime]:
     measured = uses_measurements(profile, cluster, precision)
     return [layer_time(layer, b, cluster, precision, measured) for layer in profile.layers]
 

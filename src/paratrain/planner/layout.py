@@ -1,8 +1,10 @@
 """One way to lay out training over devices, and how to ask paratrain for it.
 
-A layout is a strategy with its degrees: data-parallel replicas x pipeline ranks, stages per pipeline
-rank, micro-batches and schedule for pipelines, gradient-accumulation steps for data parallelism, and
-the precision. It renders as the exact `paratrain.setup(...)` arguments and the launch command.
+A layout is a strategy with its degrees: data-parallel replicas x tensor ranks x pipeline ranks, stages per
+pipeline rank, micro-batches and schedule for pipelines, gradient-accumulation steps for data parallelism, and
+the precision. N-D strategies are the names of the grammar (`parallel.dims`): which axes a layout has is read
+from its name, never from a list of names. It renders as the exact `paratrain.setup(...)` arguments and the
+launch command.
 """
 
 from __future__ import annotations
@@ -10,10 +12,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..parallel.dims import is_grammar, parse
 from .cluster import Cluster
 
-STRATEGIES = ("single", "ddp", "fsdp", "pp", "ddp+pp", "mp")
-PIPELINED = ("pp", "ddp+pp", "mp")
+TENSOR = ("tp", "ddp+tp", "fsdp+tp", "tp+pp", "ddp+tp+pp")
+"""The tensor-parallel layouts the planner predicts (FSDP over pipeline stages is refused by the engine)."""
+STRATEGIES = ("single", "ddp", "fsdp", "pp", "ddp+pp", "mp", *TENSOR)
+PIPELINED = ("pp", "ddp+pp", "mp", "tp+pp", "ddp+tp+pp")
+
+
+def axes(strategy: str) -> tuple[str, ...]:
+    """The parallel axes of a strategy name (presets and the grammar alike; `mp` and `single` have none)."""
+    return parse(strategy) if is_grammar(strategy) else ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +33,8 @@ class Layout:
     """Data-parallel replicas."""
     pp: int = 1
     """Pipeline ranks (devices of one `mp` process)."""
+    tp: int = 1
+    """Tensor-parallel ranks."""
     stages_per_worker: int = 1
     microbatches: int = 1
     schedule: str | None = None
@@ -31,7 +43,20 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.pp * self.tp
+
+    @property
+    def scheduled(self) -> bool:
+        """Runs a pipeline schedule over processes (a `pp` axis)."""
+        return "pp" in axes(self.strategy)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.scheduled or self.strategy == "mp"
+
+    @property
+    def sharded(self) -> bool:
+        return "fsdp" in axes(self.strategy)
 
     @property
     def processes(self) -> int:
@@ -43,6 +68,12 @@ class Layout:
 
     @property
     def label(self) -> str:
+        if self.tp > 1:  # the degrees in the order of the name's words: data-parallel x tensor x pipeline
+            degrees = "x".join(str(v) for v in (self.dp, self.tp, self.pp) if v > 1)
+            if not self.scheduled:
+                return f"{self.strategy} {degrees}" + (f" (accum {self.grad_accum})" if self.grad_accum > 1 else "")
+            virtual = f"V={self.stages_per_worker}, " if self.stages_per_worker > 1 else ""
+            return f"{self.strategy} {degrees} ({self.schedule}, {virtual}M={self.microbatches})"
         if self.strategy in ("single", "ddp", "fsdp"):
             text = self.strategy if self.strategy == "single" else f"{self.strategy} {self.dp}"
             return text + (f" (accum {self.grad_accum})" if self.grad_accum > 1 else "")
@@ -59,11 +90,13 @@ class Layout:
         kwargs: dict[str, Any] = {"strategy": self.strategy, "precision": self.precision}
         if self.grad_accum > 1:
             kwargs["grad_accum"] = self.grad_accum
-        if self.strategy in ("pp", "ddp+pp"):
+        if self.tp > 1:
+            kwargs["tp_size"] = self.tp
+        if self.scheduled:
             kwargs.update(microbatches=self.microbatches, schedule=self.schedule)
             if self.stages_per_worker > 1:
                 kwargs["stages_per_worker"] = self.stages_per_worker
-            if self.strategy == "ddp+pp":
+            if self.dp > 1 or self.tp > 1:
                 kwargs["pp_size"] = self.pp
         if self.strategy == "mp":
             kwargs["microbatches"] = self.microbatches

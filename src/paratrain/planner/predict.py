@@ -9,6 +9,12 @@ FSDP gathers each unit's parameters one unit ahead and reduce-scatters its gradi
 same time balance paratrain uses at run time, and ddp+pp then all-reduces every stage's gradients over
 its replicas, after the schedule, as paratrain does. Every data-parallel step also all-reduces its loss.
 
+Tensor parallelism (`tp` > 1, any layout) runs each layer's split share (`LayerCost.tp_share`) at a 1/tp
+share of the work (timed as the same layer at a 1/tp share of the micro-batch: the same FLOPs in products of
+the same depth) and the rest whole, and adds its all-reduces over the tensor ranks (one per row-split Linear
+forward, one per column-split Linear backward, none hidden: the next op needs them) and DTensor's per-call
+cost (`Cluster.tp_overhead`). The planned Linears' parameters, and the split share of activations, divide by tp.
+
 CPU workers beyond the machine's cores share them: such a step takes at least all workers' work
 divided by the cores.
 """
@@ -65,15 +71,20 @@ def problem(layout: Layout, profile: Profile, batch: int, cluster: Cluster) -> s
     """Why this layout cannot run at this global batch on this cluster (None: it can)."""
     if layout.devices > cluster.devices and cluster.kind == "cuda":
         return f"needs {layout.devices} devices, the cluster has {cluster.devices}"
-    parts = layout.dp * (layout.microbatches if layout.strategy in ("pp", "ddp+pp", "mp") else layout.grad_accum)
+    parts = layout.dp * (layout.microbatches if layout.pipelined else layout.grad_accum)
     if batch % parts:
         return (f"global batch {batch} does not split into {layout.dp} replica(s) x {parts // layout.dp} "
-                f"{'micro-batches' if layout.strategy in ('pp', 'ddp+pp', 'mp') else 'accumulation steps'}")
-    if layout.strategy in ("pp", "ddp+pp", "mp") and len(profile.layers) < layout.stages:
+                f"{'micro-batches' if layout.pipelined else 'accumulation steps'}")
+    if layout.tp > 1 and not profile.tp_width:
+        return profile.tp_note or "the model has no tensor-parallel plan"
+    if layout.tp > 1 and profile.tp_width % layout.tp:
+        return (f"tensor parallelism over {layout.tp} ranks cannot split the planned Linears evenly (their split "
+                f"dimensions have greatest common divisor {profile.tp_width})")
+    if layout.pipelined and len(profile.layers) < layout.stages:
         return f"the model has {len(profile.layers)} layers, fewer than the {layout.stages} stages"
-    if layout.strategy in ("pp", "ddp+pp") and layout.precision == "16":
+    if layout.scheduled and layout.precision == "16":
         return "pipelines refuse precision '16' (the loss scaler cannot scale a loss the schedule computes); use bf16"
-    if layout.strategy in ("pp", "ddp+pp"):
+    if layout.scheduled:
         schedule, m = layout.schedule or "1f1b", layout.microbatches
         try:
             schedules.check(schedule, layout.pp, layout.stages_per_worker, m)
@@ -94,7 +105,7 @@ def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, opti
     why = problem(layout, profile, batch, cluster)
     if why is not None:
         return Prediction(layout, fits=False, reason=why)
-    if layout.strategy in ("pp", "ddp+pp") or (layout.strategy == "mp" and cluster.kind == "cuda"):
+    if layout.scheduled or (layout.strategy == "mp" and cluster.kind == "cuda"):
         out = _pipeline(profile, layout, cluster, batch, optimizer)
     elif layout.strategy == "mp":
         out = _serial_pipeline(profile, layout, cluster, batch, optimizer)
@@ -133,13 +144,53 @@ def _shared_cores(step: float, work: float, cluster: Cluster, layout: Layout) ->
     return step
 
 
+def tensor_group(cluster: Cluster, tp: int) -> Group:
+    """Tensor ranks are the innermost mesh axis: neighbours on one node unless tp exceeds a node."""
+    return Group(tp, tp > cluster.devices_per_node)
+
+
+def _tensor_times(profile: Profile, b: int, cluster: Cluster, layout: Layout) -> tuple[list[costs.LayerTime], float]:
+    """Each layer's time on one tensor rank, its all-reduces and DTensor's per-call cost included; and the
+    seconds of those all-reduces (exposed communication)."""
+    whole = costs.times(profile, b, cluster, layout.precision)
+    tp = layout.tp
+    if tp <= 1:
+        return whole, 0.0
+    split = costs.times(profile, b / tp, cluster, layout.precision)
+    group = tensor_group(cluster, tp)
+    out, comm = [], 0.0
+    for layer, w, s in zip(profile.layers, whole, split):
+        f_comm = sum(collective_time(cluster, "all_reduce", n * b, group) for n in layer.tp_forward_reduces)
+        b_comm = sum(collective_time(cluster, "all_reduce", n * b, group) for n in layer.tp_backward_reduces)
+        calls = (len(layer.tp_forward_reduces) + len(layer.tp_backward_reduces)) * cluster.tp_overhead / 2
+        share = layer.tp_share
+        out.append(costs.LayerTime((1 - share) * w.forward + share * s.forward + f_comm + calls,
+                                   (1 - share) * w.backward + share * s.backward + b_comm + calls, w.weight_share))
+        comm += f_comm + b_comm
+    return out, comm
+
+
+def tensor_params(layers: list[costs.LayerCost], tp: int) -> tuple[float, float]:
+    """(parameters, bytes) one tensor rank holds of `layers`."""
+    params = sum(x.params - x.tp_params * (1 - 1 / tp) for x in layers)
+    scale = [x.param_bytes / x.params if x.params else 4.0 for x in layers]
+    held = sum(s * (x.params - x.tp_params * (1 - 1 / tp)) for s, x in zip(scale, layers))
+    return params, held
+
+
+def _tensor_activations(layers: list[costs.LayerCost], tp: int) -> float:
+    """Saved bytes per sample on one tensor rank (the split share of each layer's activations divides by tp)."""
+    shares = [x.tp_share if x.tp_activation_share is None else x.tp_activation_share for x in layers]
+    return sum(x.activation_bytes * (1 - share * (1 - 1 / tp)) for x, share in zip(layers, shares))
+
+
 def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
-    dp, accum, sharded = layout.dp, layout.grad_accum, layout.strategy == "fsdp"
+    dp, accum, sharded, tp = layout.dp, layout.grad_accum, layout.sharded, layout.tp
     b = batch // (dp * accum)
-    lt = costs.times(profile, b, cluster, layout.precision)
+    lt, tp_comm = _tensor_times(profile, b, cluster, layout)
     fwd, bwd = [t.forward for t in lt], [t.backward for t in lt]
-    unit = [float(layer.param_bytes) for layer in profile.layers]
-    group = Group(dp, dp > cluster.devices_per_node)
+    unit = [tensor_params([layer], tp)[1] for layer in profile.layers]
+    group = Group(dp, dp * tp > cluster.devices_per_node)
     reduce = lambda kind: (lambda n: collective_time(cluster, kind, n, group))  # noqa: E731
     if sharded:
         quiet = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap,
@@ -151,26 +202,34 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
         body = (accum - 1) * (sum(fwd) + sum(bwd)) + sum(fwd) + last.end
         exposed = last.exposed
     call = _call_overhead(profile, cluster, layout)
-    overhead = accum * (call + (_loss_reduce(cluster, layout) if dp > 1 else 0.0))
-    opt = costs.optimizer_time(profile, profile.params / (dp if sharded else 1), cluster, optimizer)
+    overhead = accum * (call + (_loss_reduce(cluster, layout) if layout.devices > 1 else 0.0))
+    params, held = tensor_params(profile.layers, tp)
+    opt = costs.optimizer_time(profile, params / (dp if sharded else 1), cluster, optimizer)
     step = body + overhead + opt
-    mem = memory.model_state(profile.param_bytes, profile.params, optimizer, dp if sharded else 1)
+    mem = memory.model_state(held, params, optimizer, dp if sharded else 1)
     largest = max(unit)
     if sharded:
-        mem.buffers = 3 * largest + (profile.param_bytes * (1 - 1 / dp) if accum > 1 else 0.0)
+        mem.buffers = 3 * largest + (held * (1 - 1 / dp) if accum > 1 else 0.0)
     elif dp > 1:
-        mem.buffers = profile.param_bytes  # DDP's buckets hold a copy of every gradient
-    mem.activations = memory.activations(sum(layer.activation_bytes for layer in profile.layers),
+        mem.buffers = held  # DDP's buckets hold a copy of every gradient
+    mem.activations = memory.activations(_tensor_activations(profile.layers, tp),
                                          max(layer.output_bytes for layer in profile.layers), b)
     mem.data = profile.sample_bytes * b
-    compute = accum * (sum(fwd) + sum(bwd))
-    return Prediction(layout, step_s=_shared_cores(step, dp * step, cluster, layout), compute_s=compute,
-                      exposed_comm_s=exposed + (overhead - accum * call), optimizer_s=opt, overhead_s=accum * call,
-                      memory=mem)
+    compute = accum * (sum(fwd) + sum(bwd)) - accum * tp_comm
+    return Prediction(layout, step_s=_shared_cores(step, layout.devices * step, cluster, layout), compute_s=compute,
+                      exposed_comm_s=exposed + accum * tp_comm + (overhead - accum * call), optimizer_s=opt,
+                      overhead_s=accum * call, memory=mem)
+
+
+def _mesh_groups(cluster: Cluster, dp: int, tp: int, pp: int) -> tuple[Group, Group]:
+    """(data-parallel, pipeline) groups on the N-D mesh (`parallel.dims`: pipeline outermost, tensor innermost):
+    replicas of a tensor rank are tp apart, pipeline neighbours dp x tp apart."""
+    per_node = cluster.devices_per_node
+    return Group(dp, dp > 1 and dp * tp > per_node), Group(pp, pp > 1 and dp * tp * pp > per_node)
 
 
 def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int,
-                 send: Callable[[float], float]) -> list[simulate.StageCost]:
+                 send: Callable[[float], float], tp: int = 1) -> list[simulate.StageCost]:
     out, start = [], 0
     for count in balance:
         part = range(start, start + count)
@@ -179,34 +238,34 @@ def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int]
         out.append(simulate.StageCost(
             forward=sum(lt[i].forward for i in part), backward=backward,
             weight_share=weight / backward if backward else 0.5,
-            activation_bytes=sum(profile.layers[i].activation_bytes for i in part) * b,
+            activation_bytes=_tensor_activations([profile.layers[i] for i in part], tp) * b,
             send=send(profile.layers[start + count - 1].output_bytes * b)))
         start += count
     return out
 
 
 def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
-    dp, pp, per_worker, micro = layout.dp, layout.pp, layout.stages_per_worker, layout.microbatches
+    dp, pp, per_worker, micro, tp = layout.dp, layout.pp, layout.stages_per_worker, layout.microbatches, layout.tp
     schedule = layout.schedule or "gpipe"
     b = batch // (dp * micro)
-    lt = costs.times(profile, b, cluster, layout.precision)
+    lt, _ = _tensor_times(profile, b, cluster, layout)
     balance = solve([t.forward + t.backward for t in lt], layout.stages)
-    dp_group, pp_group = pipeline_groups(cluster, dp, pp)
-    stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes))
+    dp_group, pp_group = pipeline_groups(cluster, dp, pp) if tp == 1 else _mesh_groups(cluster, dp, tp, pp)
+    stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes), tp)
     where = simulate.stage_ranks(schedule, pp, per_worker)
     run = simulate.run_schedule(schedule, pp, per_worker, micro, stages, cluster.action_overhead, cluster.overlap)
     starts = [sum(balance[:s]) for s in range(len(balance))]
     rank_params = [0.0] * pp
     rank_bytes = [0.0] * pp
     for s, count in enumerate(balance):
-        for layer in profile.layers[starts[s] : starts[s] + count]:
-            rank_params[where[s]] += layer.params
-            rank_bytes[where[s]] += layer.param_bytes
+        params, held = tensor_params(profile.layers[starts[s] : starts[s] + count], tp)
+        rank_params[where[s]] += params
+        rank_bytes[where[s]] += held
     grads = max(collective_time(cluster, "all_reduce", n, dp_group) for n in rank_bytes) if dp > 1 else 0.0
     loss = _loss_reduce(cluster, layout) if layout.processes > 1 else 0.0
     opts = [costs.optimizer_time(profile, n, cluster, optimizer) for n in rank_params]
     step = run.step + grads + loss + max(opts) + cluster.step_overhead
-    work = dp * (sum(run.busy) + pp * (grads + loss + cluster.step_overhead) + sum(opts))
+    work = dp * tp * (sum(run.busy) + pp * (grads + loss + cluster.step_overhead) + sum(opts))
     largest_output = max(layer.output_bytes for layer in profile.layers) * b
     worst = max(range(pp), key=lambda r: rank_bytes[r] + run.activation_peak[r])
     mem = memory.model_state(rank_bytes[worst], rank_params[worst], optimizer)
@@ -215,7 +274,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
     mem.data = profile.sample_bytes * batch / dp
     if cluster.kind == "cpu":  # the balance's trial run of the whole model stays resident (see memory.py)
-        build = profile.param_bytes + memory.activations(sum(x.activation_bytes for x in profile.layers),
+        build = tensor_params(profile.layers, tp)[1] + memory.activations(_tensor_activations(profile.layers, tp),
                                                          max(x.output_bytes for x in profile.layers), b)
         mem.retained = max(0.0, build - mem.activations - mem.grads)
     return Prediction(layout, step_s=_shared_cores(step, work, cluster, layout), compute_s=max(run.busy),

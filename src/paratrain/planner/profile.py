@@ -30,6 +30,7 @@ from .._tree import map_tensors
 from ..parallel.pipeline.memory import ActivationMeter, param_bytes
 from ..parallel.pipeline.partition import layers_of
 from ..precision import apply_autocast
+from . import tensor_profile
 from .costs import LayerCost, Profile
 
 Batch = Callable[[int], tuple[Any, Any]]
@@ -198,19 +199,21 @@ def _optimizer_seconds(model: nn.Module, name: str, repeats: int, device: torch.
 
 def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[int], *, name: str,
             precision: str = "32", optimizer: str = "adam", repeats: int = 5,
-            device: torch.device | None = None) -> Profile:
-    """The model's `Profile`, measured at every micro-batch size in `sizes` (one device, one thread on CPU)."""
+            device: torch.device | None = None, tp_plan: dict[str, str] | None = None) -> Profile:
+    """The model's `Profile`, measured at every micro-batch size in `sizes` (one device, one thread on CPU);
+    `tp_plan` as `setup(tp_plan=)` takes it (None: the plan tensor parallelism would find)."""
     device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     sizes = sorted(set(int(s) for s in sizes))
     with _one_thread(device):
         x_small, y_small = batch(sizes[0])
-        layers = layers_of(model, (x_small,) if isinstance(x_small, torch.Tensor) else tuple(x_small))
+        layers = layers_of(model, x_small)  # traced with the batch as its one positional input, as `prepare` does
         modules = [apply_autocast(m, precision, device.type) for _, m in layers]
         measured: dict[int, list[_Timing]] = {}
         for b in sizes:
             x, y = batch(b)
             measured[b] = _time_chain(modules, x, y, loss_fn, repeats, device)
         flops = _count(modules, x_small, y_small, loss_fn)
+        split = tensor_profile.measure(model, x_small, [n for n, _ in layers], tp_plan)
         largest = sizes[-1]
         x, y = batch(largest)
         whole = _whole_step(apply_autocast(model, precision, device.type), x, y, loss_fn, repeats, device)
@@ -225,14 +228,17 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         if i == len(layers) - 1:  # the loss runs with the last layer (it is the last stage's work)
             seconds = {b: (s[0] + measured[b][-1].forward, s[1] + measured[b][-1].backward) for b, s in seconds.items()}
             activations += timing[-1].activations
+        tp = split.splits.get(layer_name, tensor_profile.Split())
         costs.append(LayerCost(
             name=layer_name, params=sum(p.numel() for p in module.parameters()), param_bytes=param_bytes(module),
             flops_fwd=fwd, flops_bwd=grad_in + grad_w,
             weight_share=grad_w / (grad_in + grad_w) if grad_in + grad_w else 0.5,
             activation_bytes=activations / largest, output_bytes=timing[i].output / largest, seconds=seconds,
+            tp_share=min(1.0, tp.flops / fwd) if fwd else float(tp.touched), tp_params=tp.params,
+            tp_forward_reduces=tuple(tp.forward), tp_backward_reduces=tuple(tp.backward),
         ))
     return Profile(
         name=name, layers=costs, sample_bytes=(_nbytes(x) + _nbytes(y)) / largest, source="measured",
         precision=precision, optimizer=optimizer, optimizer_s_per_param=opt / max(1, sum(c.params for c in costs)),
-        step_overhead_s=max(0.0, whole - parts),
+        step_overhead_s=max(0.0, whole - parts), tp_width=split.width, tp_note=split.note,
     )

@@ -3,7 +3,9 @@
 For N devices: data parallelism (ddp, fsdp) over all N, with the fewest gradient-accumulation steps
 that fit in memory; pipelines of P ranks (pp when P = N, ddp+pp with N / P replicas otherwise) for
 each divisor P of N up to the number of layers, each schedule, stages per worker up to what the layers
-allow; and `mp` inside one node. Three prunings keep 1,024 devices to seconds:
+allow; and `mp` inside one node. Where the model has a tensor-parallel plan, the same again on N / T
+devices for each tensor degree T that divides N, fits in a node and splits the plan's dimensions: tp
+alone, ddp+tp and fsdp+tp, tp+pp and ddp+tp+pp. Three prunings keep 1,024 devices to seconds:
 
 - a degree whose parameters, gradients and optimizer state alone exceed a device is predicted once,
   as the reason it does not fit, and no micro-batch count or schedule is tried for it;
@@ -23,7 +25,7 @@ from .cluster import Cluster
 from .costs import Profile
 from .layout import STRATEGIES, Layout
 from .memory import model_state
-from .predict import Prediction, capacity, predict
+from .predict import Prediction, capacity, predict, tensor_params
 
 PIPELINE_SCHEDULES = NAMES
 MAX_STAGES_PER_WORKER = 4
@@ -53,19 +55,23 @@ def _state_too_big(profile: Profile, cluster: Cluster, layout: Layout, optimizer
     return None
 
 
+def _tensor_share(profile: Profile, tp: int) -> float:
+    return tensor_params(profile.layers, tp)[0] / profile.params if tp > 1 and profile.params else 1.0
+
+
 def _data_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-                   strategy: str) -> list[Prediction]:
-    dp = n if strategy != "single" else 1
-    base = Layout(strategy=strategy, dp=dp, precision=precision)
+                   strategy: str, tp: int = 1) -> list[Prediction]:
+    dp = n // tp if strategy != "single" else 1
+    base = Layout(strategy=strategy, dp=dp, tp=tp, precision=precision)
     if batch % dp:
         return [Prediction(base, fits=False, reason=f"global batch {batch} does not split over {dp} replicas")]
-    too_big = _state_too_big(profile, cluster, base, optimizer, 1.0 / dp if strategy == "fsdp" else 1.0)
+    share = _tensor_share(profile, tp) / (dp if base.sharded else 1)
+    too_big = _state_too_big(profile, cluster, base, optimizer, share)
     if too_big:
         return [Prediction(base, fits=False, reason=too_big)]
     last = None
     for accum in _divisors(batch // dp):
-        last = predict(profile, Layout(strategy=strategy, dp=dp, grad_accum=accum, precision=precision), cluster,
-                       batch, optimizer)
+        last = predict(profile, replace(base, grad_accum=accum), cluster, batch, optimizer)
         if last.fits:
             break
     return [last] if last else []
@@ -80,16 +86,17 @@ def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> 
 
 
 def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-               strategies: Sequence[str], schedules: Sequence[str]) -> list[Prediction]:
+               strategies: Sequence[str], schedules: Sequence[str], tp: int = 1) -> list[Prediction]:
     out: list[Prediction] = []
     layers = len(profile.layers)
-    for pp in _divisors(n):
-        dp = n // pp
-        strategy = "pp" if dp == 1 else "ddp+pp"
+    for pp in _divisors(n // tp):
+        dp = n // tp // pp
+        strategy = ("pp" if dp == 1 else "ddp+pp") if tp == 1 else ("tp+pp" if dp == 1 else "ddp+tp+pp")
         if pp < 2 or pp > layers or strategy not in strategies or batch % dp:
             continue
-        probe = Layout(strategy=strategy, dp=dp, pp=pp, schedule="1f1b", microbatches=pp, precision=precision)
-        too_big = _state_too_big(profile, cluster, probe, optimizer, 1.0 / pp)
+        probe = Layout(strategy=strategy, dp=dp, pp=pp, tp=tp, schedule="1f1b", microbatches=pp,
+                       precision=precision)
+        too_big = _state_too_big(profile, cluster, probe, optimizer, _tensor_share(profile, tp) / pp)
         if too_big:
             out.append(Prediction(probe, fits=False, reason=too_big))
             continue
@@ -98,7 +105,7 @@ def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision
                 if (per_worker > 1) != row(schedule).multi_stage or pp * per_worker > layers:
                     continue
                 out += _sweep_microbatches(profile, cluster, batch, optimizer, Layout(
-                    strategy=strategy, dp=dp, pp=pp, stages_per_worker=per_worker, schedule=schedule,
+                    strategy=strategy, dp=dp, pp=pp, tp=tp, stages_per_worker=per_worker, schedule=schedule,
                     precision=precision))
     return out
 
@@ -130,6 +137,23 @@ def _model_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, prec
     return _sweep_microbatches(profile, cluster, batch, optimizer, base)
 
 
+def tensor_degrees(profile: Profile, cluster: Cluster, n: int) -> list[int]:
+    """Tensor degrees worth trying on n devices: they divide n and the plan's split dimensions and fit in a node."""
+    return [t for t in _divisors(n) if 2 <= t <= cluster.devices_per_node and profile.tp_width
+            and profile.tp_width % t == 0]
+
+
+def _tensor_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
+                     wanted: set[str], schedules: Sequence[str]) -> list[Prediction]:
+    found: list[Prediction] = []
+    for tp in tensor_degrees(profile, cluster, n):
+        alone = ["tp"] if n == tp else ["ddp+tp", "fsdp+tp"]
+        for strategy in (s for s in alone if s in wanted):
+            found += _data_parallel(profile, cluster, n, batch, precision, optimizer, strategy, tp)
+        found += _pipelines(profile, cluster, n, batch, precision, optimizer, sorted(wanted), schedules, tp)
+    return found
+
+
 def layouts(profile: Profile, cluster: Cluster, batch: int, *, precision: str = "32", optimizer: str = "adam",
             devices: int | None = None, strategies: Iterable[str] = ALL,
             schedules: Sequence[str] = PIPELINE_SCHEDULES) -> list[Prediction]:
@@ -147,6 +171,7 @@ def layouts(profile: Profile, cluster: Cluster, batch: int, *, precision: str = 
         found += _pipelines(profile, cluster, n, batch, precision, optimizer, sorted(wanted), schedules)
     if "mp" in wanted and cluster.kind == "cuda":
         found += _model_parallel(profile, cluster, n, batch, precision, optimizer)
+    found += _tensor_parallel(profile, cluster, n, batch, precision, optimizer, wanted, schedules)
     fitting = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
     return fitting + [p for p in found if not p.fits]
 

@@ -10,6 +10,12 @@ Per transformer block of hidden size h, feed-forward size f, sequence s (per sam
                  + s(7h + 2f) in the compute precision (QKV input, q/k/v, attention output, projection
                  input, MLP input, GELU input and output), with fused attention (no s x s matrix kept)
 
+Tensor parallelism splits a block as Megatron does: every matrix product and the attention over the heads run
+on a 1/tp share; the QKV, projection and two MLP weights (and the column-split biases) divide by tp; of the
+saved activations, q/k/v, the attention output, the projection input and both GELU tensors, s(5h + 2f); two
+all-reduces of the block's output forward (after the projection and the MLP) and two of its input gradient
+backward (QKV, MLP input), each s*h in the compute precision.
+
 The embedding (token and position tables) opens the chain and the head (final LayerNorm, the
 vocabulary projection, cross-entropy, whose float32 log-probabilities are kept: 4sV bytes) closes it,
 so a pipeline can split the model at block boundaries. These are the formulas of Narayanan et al.
@@ -18,6 +24,7 @@ so a pipeline can split the model at block boundaries. These are the formulas of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ParatrainError, unknown_name
@@ -78,7 +85,10 @@ def profile(gpt: GPT, precision: str = "bf16", optimizer: str = "adam") -> Profi
         name="block", params=gpt.block_params(), param_bytes=4 * gpt.block_params(),
         flops_fwd=matmul + attention, flops_bwd=2 * (matmul + attention),
         weight_share=matmul / (2 * matmul + 2 * attention),
-        activation_bytes=4 * 2 * s * h + c * s * (7 * h + 2 * f) + 4 * s * gpt.heads, output_bytes=residual)
+        activation_bytes=4 * 2 * s * h + c * s * (7 * h + 2 * f) + 4 * s * gpt.heads, output_bytes=residual,
+        tp_share=1.0, tp_activation_share=c * s * (5 * h + 2 * f) / (4 * 2 * s * h + c * s * (7 * h + 2 * f)),
+        tp_params=4 * h * h + 2 * h * f + 3 * h + f, tp_forward_reduces=(c * s * h,) * 2,
+        tp_backward_reduces=(c * s * h,) * 2)
     embed_params = (v + s) * h
     embed = LayerCost(name="embed", params=embed_params, param_bytes=4 * embed_params, flops_fwd=2 * s * h,
                       flops_bwd=2 * s * h, weight_share=1.0, activation_bytes=8 * s, output_bytes=residual)
@@ -88,4 +98,5 @@ def profile(gpt: GPT, precision: str = "bf16", optimizer: str = "adam") -> Profi
                      activation_bytes=4 * s * h + c * s * h + 4 * s * v, output_bytes=4)
     blocks = [LayerCost(**{**block.__dict__, "name": f"block{i}"}) for i in range(gpt.layers)]
     return Profile(name=gpt.name, layers=[embed, *blocks, head], sample_bytes=16 * s, tokens_per_sample=s,
-                   source="analytic", precision=precision, optimizer=optimizer)
+                   source="analytic", precision=precision, optimizer=optimizer, tp_width=math.gcd(gpt.heads, f),
+                   tp_note="Megatron's split of each block (attention heads, MLP)")

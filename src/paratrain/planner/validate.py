@@ -38,7 +38,8 @@ MICROBATCHES = (1, 2, 4, 8)
 
 def local_layouts(precision: str = "32") -> list[Layout]:
     """What fits a 2-core machine: single, ddp 2, fsdp 2, pp 2 at M in {1, 2, 4, 8} for each schedule
-    (interleaved and zero-bubble with 2 stages per worker), mp 2, and ddp+pp 2 x 2."""
+    (interleaved and zero-bubble with 2 stages per worker), mp 2, ddp+pp 2 x 2, tp 2, and the tensor-parallel
+    layouts of 4 workers (more workers than cores: the planner must predict them slow): fsdp+tp and tp+pp."""
     out = [Layout(strategy="single", precision=precision), Layout(strategy="ddp", dp=2, precision=precision),
            Layout(strategy="fsdp", dp=2, precision=precision)]
     for schedule in NAMES:
@@ -48,6 +49,9 @@ def local_layouts(precision: str = "32") -> list[Layout]:
     out += [Layout(strategy="mp", pp=2, microbatches=m, precision=precision) for m in (1, 4)]
     out += [Layout(strategy="ddp+pp", dp=2, pp=2, schedule="1f1b", microbatches=m, precision=precision)
             for m in (2, 4)]
+    out += [Layout(strategy="tp", tp=2, precision=precision),
+            Layout(strategy="fsdp+tp", dp=2, tp=2, precision=precision),
+            Layout(strategy="tp+pp", tp=2, pp=2, schedule="1f1b", microbatches=4, precision=precision)]
     return out
 
 
@@ -82,8 +86,10 @@ def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str,
 
     from ..measure import workloads
 
-    run = paratrain.setup(**options, seed=0, timeout_s=settings.timeout_s)
     workload = workloads.get(settings.workload)
+    if options.get("tp_size", 1) > 1 and workload.tp_plan:
+        options = {**options, "tp_plan": workload.tp_plan}  # the plan the profile measured
+    run = paratrain.setup(**options, seed=0, timeout_s=settings.timeout_s)
     model = workload.model()
     optimizer = _optimizer(settings.optimizer, model.parameters())
     data = workload.data(settings.batch)

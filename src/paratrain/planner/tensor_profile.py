@@ -1,0 +1,173 @@
+"""What tensor parallelism would split in a model, per layer of the chain the planner sees.
+
+The plan is the one `setup(strategy="...tp...")` would use (`parallel.tensor.plan.find_plan`: the user's, the
+model's declared one, or its structure). One eager forward of the whole model, with the planned Linears and the
+chain's layers reporting as they run (their forwards wrapped through `_forwards` for that one call), records per
+layer:
+
+- the FLOPs that run between a column-split Linear's input and its row-split partner's output (the Linears
+  themselves, attention over the heads, the MLP's activation): each tensor rank runs a 1/tp share of them;
+- the parameters of the planned Linears (a row-split Linear's bias stays whole);
+- one all-reduce of the row-split output per forward, one of the column-split input's gradient per backward
+  (torch's ColwiseParallel turns its replicated input's gradient from partial sums into a sum per module).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from .. import _forwards
+from .._tree import map_tensors
+from ..errors import ParatrainError
+
+
+@dataclass
+class Split:
+    """One layer's tensor-parallel part, per sample."""
+
+    flops: float = 0.0
+    touched: bool = False
+    """Some op of this layer ran inside a split region (a layer of no FLOPs, e.g. the ReLU between a pair)."""
+    params: int = 0
+    forward: list[float] = field(default_factory=list)
+    backward: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Found:
+    splits: dict[str, Split]
+    width: int
+    """gcd of the split dimensions (0: no plan)."""
+    note: str
+
+
+class _Region:
+    def __init__(self, layers: list[str]) -> None:
+        self.splits = {name: Split() for name in layers}
+        self.current = layers[0]
+        self.open = 0
+
+
+class _Counter(TorchDispatchMode):
+    """Counts FLOPs (torch's formulas) of the ops run while a split region is open, for the current layer."""
+
+    def __init__(self, region: _Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.region.open:
+            split = self.region.splits[self.region.current]
+            split.touched = True
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                split.flops += float(formula(*args, **(kwargs or {}), out_val=out))
+        return out
+
+
+def _bytes(value: Any) -> float:
+    sizes: list[int] = []
+    map_tensors(lambda t: sizes.append(t.numel() * t.element_size()) if t.is_floating_point() else None, value)
+    return float(sum(sizes))
+
+
+def _watch(module: nn.Module, before: Callable[[Any], None], after: Callable[[Any], None] | None = None) -> None:
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        before(args)
+        out = inner(*args, **kwargs)
+        if after is not None:
+            after(out)
+        return out
+
+    _forwards.replace(module, forward, "the planner's tensor-parallel profile (one forward)")
+
+
+@contextmanager
+def _watching(model: nn.Module, plan: dict[str, str], layers: list[str], region: _Region,
+              batch: int) -> Iterator[None]:
+    """The planned Linears and the chain's layers report as they run (layers outermost: a layer that is itself
+    a planned Linear is entered before its split is counted)."""
+    watched: list[nn.Module] = []
+
+    def column(module: nn.Module) -> Callable[[Any], None]:
+        def before(args: Any) -> None:
+            split = region.splits[region.current]
+            split.params += sum(p.numel() for p in module.parameters())
+            split.backward.append(_bytes(args) / batch)
+            region.open += 1
+        return before
+
+    def row(module: nn.Module) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+
+        def before(args: Any) -> None:
+            region.splits[region.current].params += weight.numel()  # its bias stays whole
+
+        def after(out: Any) -> None:
+            region.splits[region.current].forward.append(_bytes(out) / batch)
+            region.open = max(0, region.open - 1)
+        return before, after
+
+    def enter(name: str) -> Callable[[Any], None]:
+        def before(args: Any) -> None:
+            region.current = name
+        return before
+
+    try:
+        for name, style in plan.items():
+            module = model.get_submodule(name)
+            if style == "colwise":
+                _watch(module, column(module))
+            else:
+                _watch(module, *row(module))
+            watched.append(module)
+        for name in layers:
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue  # a traced segment named after no module: its ops count for the layer before it
+            _watch(module, enter(name))
+            watched.append(module)
+        yield
+    finally:
+        for module in reversed(watched):
+            _forwards.restore(module)
+
+
+def measure(model: nn.Module, example: Any, layers: list[str], user_plan: dict[str, str] | None) -> Found:
+    """Each layer's split part, from one forward on `example` (its first dimension is the batch)."""
+    from ..parallel.tensor.plan import check_plan, find_plan
+
+    try:
+        plan, source = find_plan(model, user_plan)
+        check_plan(model, plan, 1)
+    except ParatrainError as exc:
+        return Found({}, 0, f"no tensor-parallel layouts: {exc}")
+    sizes = [m.out_features if style == "colwise" else m.in_features
+             for name, style in plan.items() for m in [model.get_submodule(name)] if isinstance(m, nn.Linear)]
+    batch = next(t.shape[0] for t in _leaves(example))
+    region = _Region(layers)
+    with torch.no_grad(), _watching(model, plan, layers, region, batch), _Counter(region):
+        model(*example) if isinstance(example, tuple) else model(example)
+    for split in region.splits.values():
+        split.flops /= batch
+    return Found(region.splits, math.gcd(*sizes) if sizes else 0, f"plan from {source}")
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    map_tensors(lambda t: found.append(t) if t.dim() > 0 else None, value)
+    return found
