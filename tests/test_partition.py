@@ -182,7 +182,7 @@ def test_activation_meter_counts_saved_storages_once_and_sees_them_freed() -> No
 
 def test_pipeline_layouts_are_validated_at_construction() -> None:
     msg = caught(check_job, "ddp+pp", 4, pp_size=3, microbatches=4)
-    assert "world 4 is not a multiple of pp_size 3" in msg and "dp 1 x pp 3 = 3 != 4" in msg
+    assert "world 4 is not a multiple of tp 1 x pp 3 = 3" in msg and "that divide 4" in msg
     assert "pp_size 2 != world size 4" in caught(check_job, "pp", 4, pp_size=2, microbatches=4)
     msg = caught(check_job, "pp", 2, schedule="1f1b", microbatches=1)
     assert "microbatches=1 < 2 stages" in msg

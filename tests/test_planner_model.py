@@ -58,10 +58,13 @@ def test_groups_that_cross_nodes_use_the_network_link() -> None:
     across = comm.collective_time(c, "all_reduce", n, comm.Group(8, True))
     assert inside == pytest.approx(2 * 3 / 4 * n / 100e9 + 6 * 2e-6)
     assert across == pytest.approx(2 * 7 / 8 * n / 10e9 + 14 * 10e-6)
-    # ranks are replica * pp + stage: 2 x 4 keeps each pipeline in a node, its replicas cross nodes
-    assert comm.pipeline_groups(c, dp=2, pp=4) == (comm.Group(2, True), comm.Group(4, False))
+    # the N-D mesh, pipeline outermost, tensor innermost (4 devices a node): a stage's replicas are neighbours,
+    # pipelines cross nodes first; tensor ranks push replicas apart
+    assert comm.pipeline_groups(c, dp=2, pp=4) == (comm.Group(2, False), comm.Group(4, True))
     assert comm.pipeline_groups(c, dp=1, pp=8) == (comm.Group(1, False), comm.Group(8, True))
     assert comm.pipeline_groups(c, dp=4, pp=1) == (comm.Group(4, False), comm.Group(1, False))
+    assert comm.pipeline_groups(c, dp=2, pp=2, tp=2) == (comm.Group(2, False), comm.Group(2, True))
+    assert comm.pipeline_groups(c, dp=4, pp=1, tp=2) == (comm.Group(4, True), comm.Group(1, False))
 
 
 def test_fit_recovers_alpha_and_beta_from_a_sweep() -> None:

@@ -52,13 +52,12 @@ class Group:
     crosses_nodes: bool
 
 
-def pipeline_groups(cluster: Cluster, dp: int, pp: int) -> tuple[Group, Group]:
-    """(data-parallel group, pipeline group) for ranks laid out as replica * pp + stage (the "dp" x "pp"
-    DeviceMesh ddp+pp builds): pipeline neighbours are adjacent ranks, replicas of a stage are pp apart."""
+def pipeline_groups(cluster: Cluster, dp: int, pp: int, tp: int = 1) -> tuple[Group, Group]:
+    """(data-parallel group, pipeline group) on the one N-D mesh (`parallel.dims`: the pipeline axis outermost,
+    the tensor axis innermost): replicas of a rank are tp apart, pipeline neighbours dp x tp apart, so a
+    pipeline crosses nodes before its replicas do (Megatron's and torchtitan's order)."""
     per_node = cluster.devices_per_node
-    dp_crosses = dp > 1 and dp * pp > per_node
-    pp_crosses = pp > 1 and (pp > per_node or per_node % pp != 0)  # some pipeline straddles two nodes
-    return Group(dp, dp_crosses), Group(pp, pp_crosses)
+    return Group(dp, dp > 1 and dp * tp > per_node), Group(pp, pp > 1 and dp * tp * pp > per_node)
 
 
 def link_of(cluster: Cluster, group: Group) -> Link:

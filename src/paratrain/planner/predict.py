@@ -221,13 +221,6 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
                       overhead_s=accum * call, memory=mem)
 
 
-def _mesh_groups(cluster: Cluster, dp: int, tp: int, pp: int) -> tuple[Group, Group]:
-    """(data-parallel, pipeline) groups on the N-D mesh (`parallel.dims`: pipeline outermost, tensor innermost):
-    replicas of a tensor rank are tp apart, pipeline neighbours dp x tp apart."""
-    per_node = cluster.devices_per_node
-    return Group(dp, dp > 1 and dp * tp > per_node), Group(pp, pp > 1 and dp * tp * pp > per_node)
-
-
 def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int,
                  send: Callable[[float], float], tp: int = 1) -> list[simulate.StageCost]:
     out, start = [], 0
@@ -250,7 +243,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     b = batch // (dp * micro)
     lt, _ = _tensor_times(profile, b, cluster, layout)
     balance = solve([t.forward + t.backward for t in lt], layout.stages)
-    dp_group, pp_group = pipeline_groups(cluster, dp, pp) if tp == 1 else _mesh_groups(cluster, dp, tp, pp)
+    dp_group, pp_group = pipeline_groups(cluster, dp, pp, tp)
     stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes), tp)
     where = simulate.stage_ranks(schedule, pp, per_worker)
     run = simulate.run_schedule(schedule, pp, per_worker, micro, stages, cluster.action_overhead, cluster.overlap)

@@ -12,7 +12,7 @@ from .base import Context, Strategy
 
 TABLE: dict[str, str] = {
     "single": "single", "dp": "dp", "ddp": "ddp", "fsdp": "fsdp",
-    "mp": "mp", "pp": "pp", "ddp+pp": "ddp_pp", "ddp+mp": "ddp_mp",
+    "mp": "mp", "pp": "pp", "ddp+mp": "ddp_mp",
 }
 
 

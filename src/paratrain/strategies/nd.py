@@ -1,4 +1,5 @@
-"""N-D strategies from the grammar: any `+`-joined set of ddp, fsdp and tp on one DeviceMesh (`parallel.dims`).
+"""N-D strategies from the grammar: any `+`-joined set of ddp, fsdp, tp and pp on one DeviceMesh (`parallel.dims`).
+The preset `ddp+pp` is one of them: replicas of a pipeline, the pipeline axis outermost.
 
 The model goes through an ordered list of `apply_*` steps gated by the degrees, torchtitan's order: tensor
 parallelism first (it changes the Linears into DTensor shards), then the data-parallel wrapper over the rest of
@@ -11,7 +12,9 @@ average their gradients over "dp_replicate" after the backward (DDP's reducer do
 With `pp` in the name the model is split into pipeline stages after tensor parallelism (torchtitan's order: split,
 then shard each stage): the traced stages call the sharded layers themselves (`parallel.tensor.traced`), each
 "pp" group of the mesh runs one schedule, and replicas ("dp_replicate") average their stages' gradients when a
-window ends, as `ddp+pp` does. FSDP over pipeline stages is refused: a traced stage reads its weights in its
+window ends (`ddp+pp`: DDP itself cannot wrap a stage, since torch's pipeline stages drive DDP's reducer by hand,
+which fails its bucket rebuild after the first step with several micro-batches, and a zero-bubble weight backward
+bypasses its hooks). FSDP over pipeline stages is refused: a traced stage reads its weights in its
 graph and never calls the blocks' forwards, where FSDP gathers its shards.
 
     "tp+pp", world 4:      stage 0 on ranks {0, 1} (tp group), stage 1 on {2, 3};  pp groups {0, 2}, {1, 3}
@@ -29,7 +32,7 @@ from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import average_in_place, evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
-from ..parallel.dims import ParallelDims, canonical, dims_for, parse
+from ..parallel.dims import DEFAULT_SPLIT, ParallelDims, canonical, dims_for, parse
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
 from .base import Backward, Context, LossFn
@@ -113,9 +116,23 @@ class NDStrategy:
                 "in its graph and never calls the blocks' forwards, where FSDP gathers its shards; use "
                 f"{'+'.join(a.replace('fsdp', 'ddp') for a in self.axes)!r} (replicas instead of shards), or "
                 "'fsdp+tp' without a pipeline")
+        self._check_replicas(ctx)
         dims = self.dims(ctx)
         if dims.pp > 1:
             check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
+
+    def _check_replicas(self, ctx: Context) -> None:
+        """A data-parallel axis with one replica: say which layout runs that model once (e.g. `pp` for `ddp+pp`)."""
+        cfg, world = ctx.config, ctx.placement.world_size
+        data = [a for a in self.axes if a in ("ddp", "fsdp")]
+        model = ((cfg.tp_size or DEFAULT_SPLIT) if "tp" in self.axes else 1) * (
+            (cfg.pp_size or DEFAULT_SPLIT) if "pp" in self.axes else 1)
+        if data and model > 1 and world % model == 0 and world // model < 2:
+            rest = "+".join(a for a in self.axes if a not in data)
+            raise ParatrainError(
+                f"strategy {self.name!r} needs at least 2 replicas of its {model}-worker model (tp x pp), so a world "
+                f"size >= {2 * model} that is a multiple of {model}; got {world}: use strategy {rest!r} for one "
+                "replica, or launch more workers")
 
     def bound(self, ctx: Context) -> float:
         dims = self.dims(ctx)
