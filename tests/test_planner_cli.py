@@ -53,6 +53,8 @@ def test_validate_runs_layouts_here_and_writes_validation_json(tmp_path: Path,
     local = json.loads((out / "cluster-local.json").read_text())
     assert local["measured_here"] and local["kind"] == "cpu" and set(local["collectives"]) == {
         "all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    # DTensor's and FSDP2's own costs were measured (both are milliseconds per call on CPU workers, not zero)
+    assert local["tp_overhead_us"] > 0 and local["fsdp_unit_overhead"]["alpha_us"] > 0
 
 
 def test_validate_refuses_other_hardware_and_analytic_models(capsys: pytest.CaptureFixture[str]) -> None:

@@ -289,5 +289,22 @@ def test_validation_covers_the_named_layouts_and_scores_them_against_a_runner() 
     assert by["single"]["memory_error"] == pytest.approx(1 / 0.95 - 1)
     summary = validate.summary(records)
     assert summary["layouts"] == 2 and summary["step_worst_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    assert summary["step_rank_correlation"] is None  # two layouts order nothing
+    assert validate.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert validate.rank_correlation([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert validate.rank_correlation([1, 2, 3, 4, 5], [1, 3, 2, 4, 5]) == pytest.approx(0.9)
     with pytest.raises(ParatrainError, match="--cluster local"):
         validate.run(prof, _cluster(), settings, chosen, measure=runner)
+
+
+def test_fsdp_pays_its_measured_cost_per_unit() -> None:
+    prof = _profile(layers=8, params=1000)
+    plain = _cluster()
+    costly = _cluster(fsdp_unit_overhead={"alpha_us": 1000, "beta_s_per_gb": 1.0})  # 1 ms + 1 s per GB of unit
+    layout = Layout(strategy="fsdp", dp=4, grad_accum=2)
+    base, more = predict.predict(prof, layout, plain, 16), predict.predict(prof, layout, costly, 16)
+    per_unit = 1e-3 + 4000 / 1e9
+    assert more.step_s - base.step_s == pytest.approx(2 * 8 * per_unit)  # 8 units, 2 micro-steps
+    assert predict.predict(prof, Layout(strategy="ddp", dp=4), costly, 16).step_s == pytest.approx(
+        predict.predict(prof, Layout(strategy="ddp", dp=4), plain, 16).step_s)
+    assert clusters.from_spec(costly.as_spec()).fsdp_unit == pytest.approx(costly.fsdp_unit)

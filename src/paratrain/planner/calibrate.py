@@ -1,14 +1,14 @@
 """Measure the machine at hand into a cluster spec (`--cluster local`).
 
-Two CPU workers (one thread each, as `paratrain run` starts them) time every collective the strategies
-use over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha and beta are fitted per
-collective (`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is
-almost all schedule overhead (sends, receives, Python), and a tensor-parallel pair of tiny Linears against
-the same pair whole (DTensor's per-call cost), and report their resident memory once torch's
-dense kernels have run (code and math-library workspaces resident, no model): the floor every
-worker's measured peak includes. One core times matrix products of growing size for its peak rate
-and efficiency curve, and a large copy for its memory bandwidth; one process times paratrain's loop
-against the bare one.
+Two CPU workers (one thread each, as `paratrain run` starts them) time every collective the strategies use
+over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha and beta are fitted per collective
+(`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is almost all schedule
+overhead (sends, receives, Python), a tensor-parallel pair of tiny Linears against the same pair whole
+(DTensor's per-call cost), and chains of FSDP2 units of two sizes against the same chains whole, less their
+collectives timed alone (FSDP's per-unit cost on CPU workers), and report their resident memory once torch's
+dense kernels have run (code and math-library workspaces resident, no model): the floor every worker's
+measured peak includes. One core times matrix products of growing size for its peak rate and efficiency curve,
+and a large copy for its memory bandwidth; one process times paratrain's loop against the bare one.
 """
 
 from __future__ import annotations
@@ -103,6 +103,44 @@ def _tensor_parallel_overhead(repeats: int) -> float:
     return max(0.0, (split - whole - 2 * reduce) / 2)
 
 
+FSDP_WIDTHS = (128, 512)
+_FSDP_UNITS, _FSDP_BATCH = 4, 256
+
+
+def _fsdp_unit_costs(repeats: int) -> list[tuple[float, float]]:
+    """(unit parameter bytes, seconds) one FSDP2 unit adds to a forward and backward beyond its math and its
+    collectives (two all-gathers and one reduce-scatter, timed alone here): Python hooks, the copies into and
+    out of the flat buffers, and the CPU the transfers take from compute beside them. Two unit sizes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return [_fsdp_unit_cost(width, mesh, repeats) for width in FSDP_WIDTHS]
+
+
+def _fsdp_unit_cost(width: int, mesh: Any, repeats: int) -> tuple[float, float]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    def chain() -> torch.nn.Sequential:
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(_FSDP_UNITS)])
+
+    plain, sharded = chain(), chain()
+    for unit in sharded.children():
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(_FSDP_BATCH, width)
+    whole = _timed(lambda: plain(x).sum().backward(), repeats)
+    split = _timed(lambda: sharded(x).sum().backward(), repeats)
+    p = dist.get_world_size()
+    elements = (width * width + width) // p * p
+    full, shard = torch.ones(elements), torch.ones(elements // p)
+    gather = _timed(lambda: dist.all_gather_into_tensor(full, shard), repeats)
+    scatter = _timed(lambda: dist.reduce_scatter_tensor(shard, full), repeats)
+    comm = _FSDP_UNITS * (2 * gather + scatter)
+    return 4.0 * (width * width + width), max(0.0, (split - whole - comm) / _FSDP_UNITS)
+
+
 def _warm_dense_kernels() -> None:
     """One small training step of a dense layer: the math library's code and workspaces become resident, as
     in every worker that trains, so the floor measured after it is the floor a real worker starts from."""
@@ -120,6 +158,7 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
 
     pipeline = _pipeline_step(repeats)  # starts the process group through paratrain.setup
     tensor = max_over_world(_tensor_parallel_overhead(4 * repeats))
+    fsdp = [(n, max_over_world(t)) for n, t in _fsdp_unit_costs(repeats)]
     _warm_dense_kernels()
     resident = resident_bytes()
     sweep: dict[str, list[tuple[int, float]]] = {}
@@ -132,7 +171,7 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
                 seconds /= 2
             points.append((n, max_over_world(seconds)))
         sweep[kind] = points
-    return {"sweep": sweep, "pipeline_step_s": max_over_world(pipeline), "tp_overhead_s": tensor,
+    return {"sweep": sweep, "pipeline_step_s": max_over_world(pipeline), "tp_overhead_s": tensor, "fsdp_unit": fsdp,
             "resident_bytes": resident,
             "world": dist.get_world_size()}
 
@@ -200,6 +239,13 @@ class _threads:
         torch.set_num_threads(self.before)
 
 
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(seconds, seconds per byte) through two measured (bytes, seconds) points, both kept non-negative."""
+    (x0, y0), (x1, y1) = points
+    slope = max(0.0, (y1 - y0) / (x1 - x0))
+    return max(0.0, y0 - slope * x0), slope
+
+
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -235,5 +281,6 @@ def measure(timeout: float = 300.0, repeats: int = 5, sizes: tuple[int, ...] = S
         efficiency=tuple((x, y) for x, y in curve),
         overlap=0.0, process_bytes=float(found["resident_bytes"]), reserved=0.0, action_overhead=action,
         step_overhead=_framework_overhead(), tp_overhead=float(found["tp_overhead_s"]),
+        fsdp_unit=_line(found["fsdp_unit"]),
         collectives=collectives, measured_here=True,
     )

@@ -83,6 +83,10 @@ class Cluster:
     tp_overhead: float = 0.0
     """Seconds one tensor-parallel (DTensor) Linear adds per forward and backward beyond its math and its
     all-reduce: sharding propagation and redistribution run in Python on every call. Measured here; 0 in specs."""
+    fsdp_unit: tuple[float, float] = (0.0, 0.0)
+    """(seconds, seconds per parameter byte) one FSDP unit adds per forward and backward beyond its math and
+    its collectives: hooks, flat-buffer copies, and on CPU workers the core its transfers take from compute.
+    Measured here (`calibrate`); 0 in specs."""
     collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Fitted (alpha, beta) per collective on one node, when measured here; overrides the intra link."""
     measured_here: bool = False
@@ -130,7 +134,9 @@ class Cluster:
             "efficiency": [list(p) for p in self.efficiency], "overlap": self.overlap,
             "process_gib": self.process_bytes / GIB, "reserved_gib": self.reserved / GIB,
             "action_overhead_us": self.action_overhead * 1e6, "step_overhead_us": self.step_overhead * 1e6,
-            "tp_overhead_us": self.tp_overhead * 1e6, "measured_here": self.measured_here,
+            "tp_overhead_us": self.tp_overhead * 1e6,
+            "fsdp_unit_overhead": {"alpha_us": self.fsdp_unit[0] * 1e6, "beta_s_per_gb": self.fsdp_unit[1] * GB},
+            "measured_here": self.measured_here,
         }
         if self.collectives:
             spec["collectives"] = {k: {"alpha_us": a * 1e6, "beta_s_per_gb": b * GB}
@@ -164,7 +170,7 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
     """A `Cluster` from the file format; every problem is named with the key to fix."""
     known = {"name", "kind", "description", "devices_per_node", "nodes", "device", "intra_node", "inter_node",
              "efficiency", "overlap", "process_gib", "reserved_gib", "action_overhead_us", "step_overhead_us",
-             "tp_overhead_us", "collectives", "measured_here"}
+             "tp_overhead_us", "fsdp_unit_overhead", "collectives", "measured_here"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ParatrainError(f"cluster spec: unknown key(s) {unknown}; known keys: {sorted(known)}")
@@ -194,6 +200,9 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
     for name, pair in (spec.get("collectives") or {}).items():
         collectives[str(name)] = (_number(pair, "alpha_us", 0, f"collectives.{name}.") * 1e-6,
                                   _number(pair, "beta_s_per_gb", 0, f"collectives.{name}.") / GB)
+    unit = spec.get("fsdp_unit_overhead") or {}
+    if not isinstance(unit, Mapping):
+        raise ParatrainError("cluster spec: fsdp_unit_overhead must be a mapping with alpha_us and beta_s_per_gb")
     overlap = _number(spec, "overlap", 1.0, "")
     if overlap > 1:
         raise ParatrainError(f"cluster spec: overlap is a share between 0 and 1, got {overlap}")
@@ -209,6 +218,8 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
         action_overhead=_number(spec, "action_overhead_us", 0, "") * 1e-6,
         step_overhead=_number(spec, "step_overhead_us", 0, "") * 1e-6,
         tp_overhead=_number(spec, "tp_overhead_us", 0, "") * 1e-6, collectives=collectives,
+        fsdp_unit=(_number(unit, "alpha_us", 0, "fsdp_unit_overhead.") * 1e-6,
+                   _number(unit, "beta_s_per_gb", 0, "fsdp_unit_overhead.") / GB),
         measured_here=bool(spec.get("measured_here", False)),
     )
 

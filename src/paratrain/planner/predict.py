@@ -5,7 +5,9 @@
 Compute is the layers' forward and backward at the micro-batch size this layout runs (`costs`). Data
 parallelism overlaps its gradient all-reduce with the backward, bucket by bucket (`overlap.ddp_backward`);
 FSDP gathers each unit's parameters one unit ahead and reduce-scatters its gradients behind
-(`overlap.fsdp_step`); pipelines run torch's own action lists (`parallel.pipeline.simulate`), stages cut by the
+(`overlap.fsdp_step`), and each unit costs what the local measurement found FSDP2 adds beyond its math and its
+collectives (`Cluster.fsdp_unit`: hooks, flat-buffer copies, and the core its transfers take from compute on CPU
+workers); pipelines run torch's own action lists (`parallel.pipeline.simulate`), stages cut by the
 same time balance paratrain uses at run time, and ddp+pp then all-reduces every stage's gradients over
 its replicas, after the schedule, as paratrain does. Every data-parallel step also all-reduces its loss.
 
@@ -202,6 +204,9 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
         body = (accum - 1) * (sum(fwd) + sum(bwd)) + sum(fwd) + last.end
         exposed = last.exposed
     call = _call_overhead(profile, cluster, layout)
+    if sharded and dp > 1:  # FSDP's own cost per unit (measured by --cluster local; 0 in specs)
+        alpha, beta = cluster.fsdp_unit
+        call += sum(alpha + beta * n for n in unit if n)
     overhead = accum * (call + (_loss_reduce(cluster, layout) if layout.devices > 1 else 0.0))
     params, held = tensor_params(profile.layers, tp)
     opt = costs.optimizer_time(profile, params / (dp if sharded else 1), cluster, optimizer)

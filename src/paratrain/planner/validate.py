@@ -177,12 +177,39 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [abs(r["step_error"]) for r in ok]
     mems = [abs(r["memory_error"]) for r in ok]
     predicted_best = min(ok, key=lambda r: r["predicted_step_s"])
+    order = rank_correlation([r["predicted_step_s"] for r in ok], [r["measured_step_s"] for r in ok])
     measured_best = min(ok, key=lambda r: r["measured_step_s"])
     return {"layouts": len(ok), "step_median_abs_error": statistics.median(steps), "step_worst_abs_error": max(steps),
             "memory_median_abs_error": statistics.median(mems), "memory_worst_abs_error": max(mems),
             "predicted_fastest": predicted_best["layout"], "measured_fastest": measured_best["layout"],
             "predicted_fastest_vs_measured_fastest":
-                predicted_best["measured_step_s"] / measured_best["measured_step_s"] - 1}
+                predicted_best["measured_step_s"] / measured_best["measured_step_s"] - 1,
+            "step_rank_correlation": order}
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i : j + 1]:  # ties share their mean rank
+            ranks[k] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rho: whether the layouts come in the same order predicted and measured (None: under 3)."""
+    if len(xs) < 3:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    spread = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / spread if spread else None
 
 
 def table(records: list[dict[str, Any]], created: str) -> str:
@@ -200,8 +227,11 @@ def table(records: list[dict[str, Any]], created: str) -> str:
     if s["layouts"]:
         lines.append(f"  step time: median |error| {s['step_median_abs_error']:.1%}, "
                      f"worst {s['step_worst_abs_error']:.1%} "
-                     f"(targets 5% / 15%); memory: median {s['memory_median_abs_error']:.1%}, worst "
-                     f"{s['memory_worst_abs_error']:.1%} (target 10%)")
+                     f"(targets 8% / 20%); memory: median {s['memory_median_abs_error']:.1%}, worst "
+                     f"{s['memory_worst_abs_error']:.1%} (targets 5% / 10%)")
+        if s["step_rank_correlation"] is not None:
+            lines.append(f"  rank correlation of predicted and measured step times {s['step_rank_correlation']:.2f} "
+                         "(target 0.9)")
         lines.append(f"  predicted fastest {s['predicted_fastest']!r} is "
                      f"{s['predicted_fastest_vs_measured_fastest']:+.1%} from the measured fastest "
                      f"{s['measured_fastest']!r} (target within 5%)")
