@@ -12,7 +12,7 @@ import pytest
 from helpers import paratrain
 
 from paratrain.bench import jobs, planned, schema
-from paratrain.bench_plan import _choice
+from paratrain.bench_plan import _bench_runs, _choice
 from paratrain.cli import main as cli_main
 from paratrain.planner.layout import Layout
 from paratrain.planner.predict import Prediction
@@ -49,6 +49,20 @@ def test_the_planners_layouts_run_as_it_chose_them() -> None:
                      ("ddp", 2, None, None, {}), ("torch-ddp", 2, None, None, {}), ("no-comm", 2, None, None, {})]
     reasons = {spec.strategy: reason for spec, _, reason in got.skipped}
     assert "accumulation" in reasons["fsdp"] and "interleaved-1f1b" in reasons["torch-pipelining"]
+
+
+def test_only_layouts_the_bench_runs_at_their_planned_degrees_are_handed_to_it() -> None:
+    said: list[str] = []
+    runs = lambda layout: _bench_runs(layout, said.append)  # noqa: E731
+    assert runs(Layout(strategy="tp", tp=2)) and runs(Layout(strategy="fsdp+tp", dp=2, tp=2))
+    assert runs(Layout(strategy="ddp+pp", dp=2, pp=2, schedule="1f1b", microbatches=4))
+    assert runs(Layout(strategy="pp", pp=4, schedule="1f1b", microbatches=4)) and runs(Layout(strategy="single"))
+    assert not said
+    # the bench gives ddp+pp on 8 workers 2 stages and tp+pp on 8 workers tp 4 x pp 2: other degrees are not timed
+    assert not runs(Layout(strategy="ddp+pp", dp=2, pp=4, schedule="1f1b", microbatches=4))
+    assert runs(Layout(strategy="tp+pp", tp=4, pp=2, schedule="1f1b", microbatches=4))
+    assert not runs(Layout(strategy="tp+pp", tp=2, pp=4, schedule="1f1b", microbatches=4))
+    assert len(said) == 2 and "see it in paratrain plan" in said[0] and "pp 2 x dp_replicate 4" in said[0]
 
 
 def test_predictions_are_paired_with_the_runs_that_measured_them() -> None:

@@ -42,9 +42,9 @@ def _choice(p: Prediction) -> Choice:
 
 
 def _bench_runs(layout: Layout, say: Callable[[str], None]) -> bool:
-    """The bench runs an N-D name at the grammar's default degrees for its worker count (`parallel.dims`); a
-    layout with other degrees is left to `paratrain plan`, with a line saying so."""
-    if not axes(layout.strategy) or layout.tp == 1 and layout.strategy in ("ddp", "fsdp", "pp", "ddp+pp"):
+    """The bench runs a name of the grammar (`ddp+pp` and `tp+pp` alike) at its default degrees for its worker
+    count (`parallel.dims`); a layout with other degrees is left to `paratrain plan`, with a line saying so."""
+    if not axes(layout.strategy):
         return True
     from .parallel.dims import dims_for
 
