@@ -1,7 +1,8 @@
 """Measure a real model, layer by layer, at the micro-batch sizes the layouts need.
 
-Each layer runs alone on a detached copy of its input (as `parallel.pipeline.balance.profile_layers` does), so
-its forward and its backward are timed apart: a pipeline schedules them apart. Times are the median
+Each layer runs alone on a detached copy of its input, timed by the pipelines' own layer timer
+(`parallel.pipeline.balance.time_layers`, which their time balance reads too), forward and backward apart: a
+pipeline schedules them apart. Times are the median
 of a few repeats after a warm-up: `--validate` compares predictions with the median step of real runs,
 and on a shared machine the fastest repeat is the exception (predicting from it biased every layout
 low by 5-10% on the 2-core development machine). FLOPs are counted once with
@@ -27,7 +28,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._tree import map_tensors
-from ..parallel.pipeline.memory import ActivationMeter, param_bytes
+from ..parallel.pipeline.balance import LayerTimes, time_layers
+from ..parallel.pipeline.memory import param_bytes
 from ..parallel.pipeline.partition import layers_of
 from ..precision import apply_autocast
 from . import tensor_profile
@@ -76,62 +78,16 @@ def _one_thread(device: torch.device) -> Iterator[None]:
 
 
 def _call(module: nn.Module, x: Any) -> Any:
-    return module(*x) if isinstance(x, tuple) else module(x)
+    return module(x)  # one positional input, as nn.Sequential hands it on and as `prepare` traces with
 
 
-def _backward(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor] | None = None) -> None:
-    if not outs:
-        return
-    grads = [torch.ones_like(t) for t in outs]
-    if inputs is None:
-        torch.autograd.backward(outs, grads)
-    elif inputs:
-        torch.autograd.grad(outs, list(inputs), grads, allow_unused=True)
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
 
 
-class _Timing:
-    """Forward and backward seconds of one layer over the repeats (median), and its activation peak."""
-
-    def __init__(self) -> None:
-        self.forwards: list[float] = []
-        self.backwards: list[float] = []
-        self.activations = 0
-        self.output = 0
-
-    @property
-    def forward(self) -> float:
-        return statistics.median(self.forwards)
-
-    @property
-    def backward(self) -> float:
-        return statistics.median(self.backwards)
-
-
-def _time_chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module, repeats: int,
-                device: torch.device) -> list[_Timing]:
-    """Per layer, plus one more entry for the loss."""
-    timings = [_Timing() for _ in range(len(modules) + 1)]
-    for rep in range(repeats + 1):
-        value = x
-        for i, module in enumerate([*modules, None]):
-            value = map_tensors(_grad_leaf, value)
-            meter = ActivationMeter(exclude=[module] if module is not None else [])
-            _sync(device)
-            start = time.perf_counter()
-            with meter.measure():
-                out = _call(module, value) if module is not None else loss_fn(value, y)
-            _sync(device)
-            middle = time.perf_counter()
-            _backward(_float_outputs(out))
-            _sync(device)
-            end = time.perf_counter()
-            if rep > 0:  # the first pass warms up allocators and kernels
-                timings[i].forwards.append(middle - start)
-                timings[i].backwards.append(end - middle)
-            timings[i].activations = max(timings[i].activations, meter.peak)
-            timings[i].output = _nbytes(out)
-            value = out
-    return timings
+def _chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module, repeats: int) -> list[LayerTimes]:
+    """Per layer, plus one more entry for the loss (`balance.time_layers`, the pipelines' own layer timer)."""
+    return time_layers([*modules, lambda value: loss_fn(value, y)], x, repeats)
 
 
 def _count(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module) -> list[tuple[float, float, float]]:
@@ -208,32 +164,33 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         x_small, y_small = batch(sizes[0])
         layers = layers_of(model, x_small)  # traced with the batch as its one positional input, as `prepare` does
         modules = [apply_autocast(m, precision, device.type) for _, m in layers]
-        measured: dict[int, list[_Timing]] = {}
+        measured: dict[int, list[LayerTimes]] = {}
         for b in sizes:
             x, y = batch(b)
-            measured[b] = _time_chain(modules, x, y, loss_fn, repeats, device)
+            measured[b] = _chain(modules, x, y, loss_fn, repeats)
         flops = _count(modules, x_small, y_small, loss_fn)
         split = tensor_profile.measure(model, x_small, [n for n, _ in layers], tp_plan)
         largest = sizes[-1]
         x, y = batch(largest)
         whole = _whole_step(apply_autocast(model, precision, device.type), x, y, loss_fn, repeats, device)
         opt = _optimizer_seconds(model, optimizer, repeats, device)
-    parts = sum(t.forward + t.backward for t in measured[largest])
+    seconds_at = {b: [(_median(t.forwards), _median(t.backwards)) for t in measured[b]] for b in sizes}
+    parts = sum(f + b for f, b in seconds_at[largest])
     costs = []
     for i, (layer_name, module) in enumerate(layers):
         fwd, grad_in, grad_w = (f / sizes[0] for f in flops[i])
         timing = measured[largest]
-        seconds = {b: (measured[b][i].forward, measured[b][i].backward) for b in sizes}
-        activations = timing[i].activations
+        seconds = {b: seconds_at[b][i] for b in sizes}
+        activations = timing[i].activation_bytes
         if i == len(layers) - 1:  # the loss runs with the last layer (it is the last stage's work)
-            seconds = {b: (s[0] + measured[b][-1].forward, s[1] + measured[b][-1].backward) for b, s in seconds.items()}
-            activations += timing[-1].activations
+            seconds = {b: (s[0] + seconds_at[b][-1][0], s[1] + seconds_at[b][-1][1]) for b, s in seconds.items()}
+            activations += timing[-1].activation_bytes
         tp = split.splits.get(layer_name, tensor_profile.Split())
         costs.append(LayerCost(
             name=layer_name, params=sum(p.numel() for p in module.parameters()), param_bytes=param_bytes(module),
             flops_fwd=fwd, flops_bwd=grad_in + grad_w,
             weight_share=grad_w / (grad_in + grad_w) if grad_in + grad_w else 0.5,
-            activation_bytes=activations / largest, output_bytes=timing[i].output / largest, seconds=seconds,
+            activation_bytes=activations / largest, output_bytes=timing[i].output_bytes / largest, seconds=seconds,
             tp_share=min(1.0, tp.flops / fwd) if fwd else float(tp.touched), tp_params=tp.params,
             tp_forward_reduces=tuple(tp.forward), tp_backward_reduces=tuple(tp.backward),
         ))

@@ -161,7 +161,7 @@ def measure(model: nn.Module, example: Any, layers: list[str], user_plan: dict[s
     batch = next(t.shape[0] for t in _leaves(example))
     region = _Region(layers)
     with torch.no_grad(), _watching(model, plan, layers, region, batch), _Counter(region):
-        model(*example) if isinstance(example, tuple) else model(example)
+        model(example)  # one positional input, as `prepare` traces with
     for split in region.splits.values():
         split.flops /= batch
     return Found(region.splits, math.gcd(*sizes) if sizes else 0, f"plan from {source}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -67,34 +67,66 @@ def _device_of(module: nn.Module) -> torch.device | None:
     return None
 
 
+@dataclass
+class LayerTimes:
+    """One layer's forward and backward seconds over the timed repeats, its saved-activation peak and output size."""
+
+    forwards: list[float] = field(default_factory=list)
+    backwards: list[float] = field(default_factory=list)
+    activation_bytes: int = 0
+    output_bytes: int = 0
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
+def time_layers(layers: Sequence[Callable[[Any], Any]], sample: Any, repeats: int) -> list[LayerTimes]:
+    """Each layer alone on a detached copy of the previous one's output (`sample` is the first one's input), its
+    forward and its backward timed apart, `repeats` times after one warm-up pass; a layer runs where its
+    parameters are. The one layer timer: the pipelines' balance and the planner's profile both read it."""
+    modules = [m for m in layers if isinstance(m, nn.Module)]
+    devices = [d for d in map(_device_of, modules) if d is not None]
+    out = [LayerTimes() for _ in layers]
+    for rep in range(repeats + 1):
+        x = sample
+        for i, layer in enumerate(layers):
+            x = _detached(x, _device_of(layer) if isinstance(layer, nn.Module) else None)
+            meter = ActivationMeter(exclude=[layer] if isinstance(layer, nn.Module) else [])
+            synchronize(devices)
+            start = time.perf_counter()
+            with meter.measure():
+                y = layer(x)
+            synchronize(devices)
+            middle = time.perf_counter()
+            outs = _float_tensors(y)
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            synchronize(devices)
+            if rep > 0:  # the first pass warms up allocators and kernels
+                out[i].forwards.append(middle - start)
+                out[i].backwards.append(time.perf_counter() - middle)
+            out[i].activation_bytes = max(out[i].activation_bytes, meter.peak)
+            out[i].output_bytes = _nbytes(y)
+            x = y
+    return out
+
+
 def profile_layers(layers: Sequence[Layer], sample: Any, repeats: int = 3) -> list[LayerCost]:
     """Per-layer forward+backward seconds (fastest of `repeats` after a warm-up), parameter and
     activation bytes: `sample` is the first layer's input, each layer gets the previous one's output.
-    Each layer runs where its parameters are; the model is left exactly as found."""
+    The model is left exactly as found."""
     modules = [m for _, m in layers]
-    seconds: list[list[float]] = [[] for _ in layers]
-    activations = [0] * len(layers)
-    devices = [d for d in map(_device_of, modules) if d is not None]
     with no_trace(modules):
-        for rep in range(repeats + 1):
-            x = sample
-            for i, module in enumerate(modules):
-                x = _detached(x, _device_of(module))
-                meter = ActivationMeter(exclude=[module])
-                synchronize(devices)
-                start = time.perf_counter()
-                with meter.measure():
-                    y = module(x)
-                outs = _float_tensors(y)
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                synchronize(devices)
-                if rep > 0:  # the first pass warms up allocators and kernels
-                    seconds[i].append(time.perf_counter() - start)
-                activations[i] = max(activations[i], meter.peak)
-                x = y
-    return [LayerCost(name, min(s), param_bytes(m), a)
-            for (name, m), s, a in zip(layers, seconds, activations)]
+        times = time_layers(modules, sample, repeats)
+    return [LayerCost(name, min(f + b for f, b in zip(t.forwards, t.backwards)), param_bytes(m), t.activation_bytes)
+            for (name, m), t in zip(layers, times)]
 
 
 def solve(costs: Sequence[float], stages: int) -> list[int]:
