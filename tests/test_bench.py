@@ -456,3 +456,24 @@ def test_bench_times_comm_hooks_and_schedule_auto(tmp_path: Path) -> None:
     assert runs[("ddp", "auto", None)]["final_loss"] == pytest.approx(exact, abs=1e-6)  # exact settings only
     assert lossy == pytest.approx(exact, rel=1e-2)
     assert "comm_hook auto ->" in proc.stdout and "schedule auto ->" in proc.stdout
+
+
+@pytest.mark.procs
+def test_tp_pp_is_timed_beside_torchtitans_order_written_by_hand(tmp_path: Path) -> None:
+    """tp+pp on 4 CPU workers (tp 2 x pp 2) beside torch-tp-pp (parallelize_module, then two PipelineStages over
+    the mesh's "pp" dimension and torch's 1F1B) with 2 micro-batches: both run, are paired, and paratrain's trains
+    the same step as one process (the same final loss, to the float noise of sums split over tensor ranks); the
+    schedule's bound counts the 2 pipeline ranks, not the 4 workers."""
+    out = tmp_path / "bench"
+    proc = paratrain("bench", "--workload", "mlp", "--batch-size", "64", "--strategies", "tp+pp", "--workers", "4",
+                     "--microbatches", "2", "--schedule", "1f1b", "--steps", "1", "--repeat", "1", "--warmup", "0",
+                     "--timeout", "150", "--out", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    schema.validate(results)
+    runs = {(r["strategy"], r["workers"], r["microbatches"]): r for r in results["runs"]}
+    ours, theirs = runs[("tp+pp", 4, 2)], runs[("torch-tp-pp", 4, 2)]
+    assert ours["status"] == theirs["status"] == "ok", (ours, theirs)
+    assert ours["reference"] == "torch-tp-pp" and ours["vs_reference"] > 0 and theirs["schedule"] == "1f1b"
+    assert ours["bound"] == pytest.approx(2 * 2 * 2 / 3, abs=1e-3)  # tp 2 x a 2-stage 1F1B over 2 micro-batches
+    assert ours["final_loss"] == pytest.approx(runs[("single", 1, None)]["final_loss"], rel=1e-5)  # sharded sums

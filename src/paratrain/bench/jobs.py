@@ -28,10 +28,10 @@ BENCH_STRATEGIES = ("single", "dp", "ddp", "fsdp", "mp", "pp", "ddp+pp")
 N_D_STRATEGIES = ("tp", "fsdp+tp", "ddp+tp", "ddp+fsdp")
 """N-D layouts the bench offers by name (any other name of the grammar is accepted too)."""
 REFERENCE = {"ddp": "torch-ddp", "mp": "torch-pipeline", "pp": "torch-pipelining", "tp": "torch-tp",
-             "fsdp+tp": "torch-fsdp-tp"}
+             "fsdp+tp": "torch-fsdp-tp", "tp+pp": "torch-tp-pp"}
 """The hand-written PyTorch each paratrain strategy is compared with, on the same workers."""
 REFERENCE_SCHEDULES = ("gpipe", "1f1b")
-"""Schedules the hand-written torch-pipelining reference is written for."""
+"""Schedules the hand-written torch-pipelining and torch-tp-pp references are written for."""
 CEILING = "no-comm"
 """Each worker trains a private copy on its share with no gradient exchange: the fastest any data-parallel
 strategy can be on this machine (it exposes shared cores, memory bandwidth and SMT siblings). Runs beside
@@ -164,7 +164,8 @@ def _schedule_bound(strategy: Strategy, ctx: Context) -> float:
     cfg = ctx.config
     if not isinstance(cfg.microbatches, int) or cfg.schedule is None:
         return bound
-    pp = ctx.placement.world_size // strategy.data_shard(ctx)[1]  # the workers that are not replicas
+    dims = getattr(strategy, "dims", None)  # an N-D strategy's degrees (tensor ranks are not pipeline ranks)
+    pp = dims(ctx).pp if dims is not None else ctx.placement.world_size // strategy.data_shard(ctx)[1]
     names = auto_names(cfg.stages_per_worker) if cfg.schedule == "auto" else [cfg.schedule]
     best = max(schedule_speedup(name, pp, cfg.stages_per_worker, cfg.microbatches) for name in names)
     return bound * best / pipeline_bound(pp, cfg.microbatches)

@@ -8,6 +8,8 @@
   `ScheduleGPipe` / `Schedule1F1B`.
 - `torch-tp`, `torch-fsdp-tp`: DTensor tensor parallelism as torchtitan writes it (`parallelize_module` with
   the workload's plan; `fully_shard` per block and at the root over the data-parallel mesh dimension).
+- `torch-tp-pp`: both at once, torchtitan's order: `parallelize_module` on the model, then the chain cut by hand
+  into two `PipelineStage`s over the "pp" dimension of a ("pp", "tp") mesh.
 - `no-comm`: not a strategy but the machine's ceiling: the torch-ddp loop without DDP, so each worker
   computes its share and nothing is exchanged.
 
@@ -284,7 +286,58 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
     return step
 
 
+def torch_tp_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
+                        device: torch.device) -> Step:
+    """torchtitan's order, written out: a ("pp", "tp") DeviceMesh of 2 pipeline stages and the other workers as
+    tensor ranks (what `tp+pp` gets by default), `parallelize_module` with the workload's plan on the whole model,
+    the chain cut by hand into equal pipeline pieces, each rank's piece a `PipelineStage` over its "pp" group, and
+    torch's schedule; the tensor ranks of a stage feed it the same batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    assert spec.microbatches is not None
+    if not workload.tp_plan:
+        raise ParatrainError(f"workload {workload.name!r} names no tensor-parallel plan")
+    pp = 2
+    mesh = init_device_mesh(device.type, (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "tp"))
+    model = _model(workload, settings).to(device)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in workload.tp_plan.items()})
+    pieces = cut(model, pp, None, workload.layers)
+    if shared_across(pieces):
+        raise ParatrainError(f"the hand-written tp+pp reference does not untie weights shared between stages "
+                             f"({workload.name}); time it with a workload whose stages share none")
+    pp_rank = mesh.get_local_rank("pp")
+    part: nn.Module = pieces[pp_rank]
+    if settings.precision in _DTYPES:
+        part = _Autocast(part, device, settings.precision)
+    stage = PipelineStage(part, pp_rank, pp, device, group=mesh.get_group("pp"))
+    schedule_cls = Schedule1F1B if spec.schedule == "1f1b" else ScheduleGPipe
+    schedule = schedule_cls(stage, spec.microbatches, loss_fn=workload.loss())
+    params = list(part.parameters())
+    optimizer = optim.SGD(params, lr=workload.lr) if params else None
+    inputs = _inputs(data[0], device, settings)
+    labels = data[1].to(device)
+
+    def step() -> None:
+        if optimizer is not None:
+            optimizer.zero_grad()
+        if pp_rank == 0:
+            schedule.step(inputs)
+        elif pp_rank == pp - 1:
+            losses: list[torch.Tensor] = []
+            schedule.step(target=labels, losses=losses)
+        else:
+            schedule.step()
+        if optimizer is not None:
+            optimizer.step()
+
+    return step
+
+
 BUILDERS: dict[str, Callable[[Spec, Workload, Batch, Settings, torch.device], Step]] = {
     "torch-ddp": torch_ddp, "torch-pipeline": torch_pipeline, "torch-pipelining": torch_pipelining,
     "no-comm": no_comm, "torch-tp": torch_tensor_parallel, "torch-fsdp-tp": torch_tensor_parallel,
+    "torch-tp-pp": torch_tp_pipelining,
 }

@@ -43,8 +43,8 @@ OLDER = ("paratrain-bench/1", "paratrain-bench/2")
 """Versions `from_json` still reads (their missing fields are null)."""
 STATUSES = ("ok", "not-applicable", "failed")
 STRATEGIES = (*BENCH_STRATEGIES, *N_D_STRATEGIES, *REFERENCE.values(), CEILING)
-PIPELINED = ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining")
-SCHEDULED = ("pp", "ddp+pp", "torch-pipelining")
+PIPELINED = ("mp", "pp", "ddp+pp", "torch-pipeline", "torch-pipelining", "torch-tp-pp")
+SCHEDULED = ("pp", "ddp+pp", "torch-pipelining", "torch-tp-pp")
 
 
 def _pipeline_axis(strategy: str) -> bool:
