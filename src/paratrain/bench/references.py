@@ -241,23 +241,17 @@ class _Autocast(nn.Module):
             return self.module(x).float()
 
 
-def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
-                     device: torch.device) -> Step:
+def _scheduled(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device,
+               part: nn.Module, stage_index: int, stages: int, group: dist.ProcessGroup | None,
+               tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]]) -> Step:
+    """One rank's piece as a `PipelineStage` under torch's GPipe or 1F1B, and the plain step around it: the
+    first stage feeds the batch, the last one the targets; copies of a tied weight sum their gradients."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     assert spec.microbatches is not None
-    rank, stages = dist.get_rank(), dist.get_world_size()
-    pieces = cut(_model(workload, settings), stages, workload.split, workload.layers)
-    tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
-    for owners, shared in shared_across(pieces):
-        group = dist.new_group(list(owners))  # every rank creates every group, in the same order
-        if rank in owners:
-            assert isinstance(group, dist.ProcessGroup)
-            tied.append((group, shared))
-    part: nn.Module = pieces[rank].to(device)
     if settings.precision in _DTYPES:
         part = _Autocast(part, device, settings.precision)
-    stage = PipelineStage(part, rank, stages, device)
+    stage = PipelineStage(part, stage_index, stages, device, group=group)
     schedule_cls = Schedule1F1B if spec.schedule == "1f1b" else ScheduleGPipe
     schedule = schedule_cls(stage, spec.microbatches, loss_fn=workload.loss())
     params = list(part.parameters())
@@ -268,22 +262,35 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
     def step() -> None:
         if optimizer is not None:
             optimizer.zero_grad()
-        if rank == 0:
+        if stage_index == 0:
             schedule.step(inputs)
-        elif rank == stages - 1:
+        elif stage_index == stages - 1:
             losses: list[torch.Tensor] = []
             schedule.step(target=labels, losses=losses)
         else:
             schedule.step()
-        for group, shared in tied:  # the copies of a tied weight on different stages: sum their gradients
+        for tie_group, shared in tied:  # the copies of a tied weight on different stages: sum their gradients
             for p in shared:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+                dist.all_reduce(p.grad, group=tie_group)
         if optimizer is not None:
             optimizer.step()
 
     return step
+
+
+def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
+                     device: torch.device) -> Step:
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    pieces = cut(_model(workload, settings), stages, workload.split, workload.layers)
+    tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
+    for owners, shared in shared_across(pieces):
+        group = dist.new_group(list(owners))  # every rank creates every group, in the same order
+        if rank in owners:
+            assert isinstance(group, dist.ProcessGroup)
+            tied.append((group, shared))
+    return _scheduled(spec, workload, data, settings, device, pieces[rank].to(device), rank, stages, None, tied)
 
 
 def torch_tp_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
@@ -293,10 +300,8 @@ def torch_tp_pipelining(spec: Spec, workload: Workload, data: Batch, settings: S
     the chain cut by hand into equal pipeline pieces, each rank's piece a `PipelineStage` over its "pp" group, and
     torch's schedule; the tensor ranks of a stage feed it the same batches."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    assert spec.microbatches is not None
     if not workload.tp_plan:
         raise ParatrainError(f"workload {workload.name!r} names no tensor-parallel plan")
     pp = 2
@@ -309,31 +314,7 @@ def torch_tp_pipelining(spec: Spec, workload: Workload, data: Batch, settings: S
         raise ParatrainError(f"the hand-written tp+pp reference does not untie weights shared between stages "
                              f"({workload.name}); time it with a workload whose stages share none")
     pp_rank = mesh.get_local_rank("pp")
-    part: nn.Module = pieces[pp_rank]
-    if settings.precision in _DTYPES:
-        part = _Autocast(part, device, settings.precision)
-    stage = PipelineStage(part, pp_rank, pp, device, group=mesh.get_group("pp"))
-    schedule_cls = Schedule1F1B if spec.schedule == "1f1b" else ScheduleGPipe
-    schedule = schedule_cls(stage, spec.microbatches, loss_fn=workload.loss())
-    params = list(part.parameters())
-    optimizer = optim.SGD(params, lr=workload.lr) if params else None
-    inputs = _inputs(data[0], device, settings)
-    labels = data[1].to(device)
-
-    def step() -> None:
-        if optimizer is not None:
-            optimizer.zero_grad()
-        if pp_rank == 0:
-            schedule.step(inputs)
-        elif pp_rank == pp - 1:
-            losses: list[torch.Tensor] = []
-            schedule.step(target=labels, losses=losses)
-        else:
-            schedule.step()
-        if optimizer is not None:
-            optimizer.step()
-
-    return step
+    return _scheduled(spec, workload, data, settings, device, pieces[pp_rank], pp_rank, pp, mesh.get_group("pp"), [])
 
 
 BUILDERS: dict[str, Callable[[Spec, Workload, Batch, Settings, torch.device], Step]] = {
