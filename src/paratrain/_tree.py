@@ -24,6 +24,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return value
 
 
+def nbytes(value: Any) -> int:
+    """Bytes of every tensor in a nested value (a batch, a layer's output)."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """Every tensor in a nested output, in `map_tensors` order."""
     found: list[torch.Tensor] = []

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._tree import map_tensors
+from .._tree import map_tensors, nbytes
 from ..parallel.pipeline.balance import LayerTimes, time_layers
 from ..parallel.pipeline.memory import param_bytes
 from ..parallel.pipeline.partition import layers_of
@@ -47,12 +47,6 @@ def _float_outputs(value: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_tensors(lambda t: found.append(t) if t.is_floating_point() and t.requires_grad else None, value)
     return found
-
-
-def _nbytes(value: Any) -> int:
-    sizes: list[int] = []
-    map_tensors(lambda t: sizes.append(t.numel() * t.element_size()), value)
-    return sum(sizes)
 
 
 def _inputs_of(value: Any) -> list[torch.Tensor]:
@@ -79,10 +73,6 @@ def _one_thread(device: torch.device) -> Iterator[None]:
 
 def _call(module: nn.Module, x: Any) -> Any:
     return module(x)  # one positional input, as nn.Sequential hands it on and as `prepare` traces with
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def _chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module, repeats: int) -> list[LayerTimes]:
@@ -174,7 +164,8 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         x, y = batch(largest)
         whole = _whole_step(apply_autocast(model, precision, device.type), x, y, loss_fn, repeats, device)
         opt = _optimizer_seconds(model, optimizer, repeats, device)
-    seconds_at = {b: [(_median(t.forwards), _median(t.backwards)) for t in measured[b]] for b in sizes}
+    median = statistics.median
+    seconds_at = {b: [(median(t.forwards), median(t.backwards)) for t in measured[b]] for b in sizes}
     parts = sum(f + b for f, b in seconds_at[largest])
     costs = []
     for i, (layer_name, module) in enumerate(layers):
@@ -195,7 +186,7 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
             tp_forward_reduces=tuple(tp.forward), tp_backward_reduces=tuple(tp.backward),
         ))
     return Profile(
-        name=name, layers=costs, sample_bytes=(_nbytes(x) + _nbytes(y)) / largest, source="measured",
+        name=name, layers=costs, sample_bytes=(nbytes(x) + nbytes(y)) / largest, source="measured",
         precision=precision, optimizer=optimizer, optimizer_s_per_param=opt / max(1, sum(c.params for c in costs)),
         step_overhead_s=max(0.0, whole - parts), tp_width=split.width, tp_note=split.note,
     )

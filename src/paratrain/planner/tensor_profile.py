@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .. import _forwards
-from .._tree import map_tensors
+from .._tree import nbytes, tensors_in
 from ..errors import ParatrainError
 
 
@@ -75,12 +75,6 @@ class _Counter(TorchDispatchMode):
         return out
 
 
-def _bytes(value: Any) -> float:
-    sizes: list[int] = []
-    map_tensors(lambda t: sizes.append(t.numel() * t.element_size()) if t.is_floating_point() else None, value)
-    return float(sum(sizes))
-
-
 def _watch(module: nn.Module, before: Callable[[Any], None], after: Callable[[Any], None] | None = None) -> None:
     inner = module.forward
 
@@ -105,7 +99,7 @@ def _watching(model: nn.Module, plan: dict[str, str], layers: list[str], region:
         def before(args: Any) -> None:
             split = region.splits[region.current]
             split.params += sum(p.numel() for p in module.parameters())
-            split.backward.append(_bytes(args) / batch)
+            split.backward.append(nbytes(args) / batch)
             region.open += 1
         return before
 
@@ -117,7 +111,7 @@ def _watching(model: nn.Module, plan: dict[str, str], layers: list[str], region:
             region.splits[region.current].params += weight.numel()  # its bias stays whole
 
         def after(out: Any) -> None:
-            region.splits[region.current].forward.append(_bytes(out) / batch)
+            region.splits[region.current].forward.append(nbytes(out) / batch)
             region.open = max(0, region.open - 1)
         return before, after
 
@@ -158,16 +152,10 @@ def measure(model: nn.Module, example: Any, layers: list[str], user_plan: dict[s
         return Found({}, 0, f"no tensor-parallel layouts: {exc}")
     sizes = [m.out_features if style == "colwise" else m.in_features
              for name, style in plan.items() for m in [model.get_submodule(name)] if isinstance(m, nn.Linear)]
-    batch = next(t.shape[0] for t in _leaves(example))
+    batch = next(t.shape[0] for t in tensors_in(example) if t.dim() > 0)
     region = _Region(layers)
     with torch.no_grad(), _watching(model, plan, layers, region, batch), _Counter(region):
         model(example)  # one positional input, as `prepare` traces with
     for split in region.splits.values():
         split.flops /= batch
     return Found(region.splits, math.gcd(*sizes) if sizes else 0, f"plan from {source}")
-
-
-def _leaves(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    map_tensors(lambda t: found.append(t) if t.dim() > 0 else None, value)
-    return found

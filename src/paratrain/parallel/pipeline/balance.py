@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._tree import nbytes
 from ...errors import ParatrainError, unknown_name
 from ..trial import no_trace, synchronize
 from .memory import ActivationMeter, param_bytes
@@ -77,16 +78,6 @@ class LayerTimes:
     output_bytes: int = 0
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    return 0
-
-
 def time_layers(layers: Sequence[Callable[[Any], Any]], sample: Any, repeats: int) -> list[LayerTimes]:
     """Each layer alone on a detached copy of the previous one's output (`sample` is the first one's input), its
     forward and its backward timed apart, `repeats` times after one warm-up pass; a layer runs where its
@@ -113,7 +104,7 @@ def time_layers(layers: Sequence[Callable[[Any], Any]], sample: Any, repeats: in
                 out[i].forwards.append(middle - start)
                 out[i].backwards.append(time.perf_counter() - middle)
             out[i].activation_bytes = max(out[i].activation_bytes, meter.peak)
-            out[i].output_bytes = _nbytes(y)
+            out[i].output_bytes = nbytes(y)
             x = y
     return out
 
