@@ -137,8 +137,12 @@ def dims_for(name: str, world: int, *, tp_size: int | None = None, pp_size: int 
     if lone or dp > 1 and not data:
         got = (f"{', '.join(f'{a} {degrees[a]}' for a in lone)} leaves that axis idle" if lone
                else f"tp {tp} x pp {pp} = {model} covers only part of world {world}")
-        raise ParatrainError(
-            f"strategy {name!r} on world {world}: {got} ({dims.describe()}); every named axis needs a degree of at "
-            f"least 2 and the degrees must multiply to the world: launch more workers, change tp_size/pp_size, "
-            f"or name fewer axes")
+        fix = ("every named axis needs a degree of at least 2 and the degrees must multiply to the world: launch "
+               "more workers, change tp_size/pp_size, or name fewer axes")
+        if lone and set(lone) <= {"ddp", "fsdp"} and model > 1:  # one replica of the model: say which layout that is
+            model_axes = "+".join(a for a in axes if a not in data)
+            fix = (f"2 replicas of its {model}-worker model (tp x pp) need a world size >= {2 * model} that is a "
+                   f"multiple of {model}, got {world}: launch more workers, or use strategy {model_axes!r} for one "
+                   "replica")
+        raise ParatrainError(f"strategy {name!r} on world {world}: {got} ({dims.describe()}); {fix}")
     return dims

@@ -32,7 +32,7 @@ from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import average_in_place, evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
-from ..parallel.dims import DEFAULT_SPLIT, ParallelDims, canonical, dims_for, parse
+from ..parallel.dims import ParallelDims, canonical, dims_for, parse
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
 from .base import Backward, Context, LossFn
@@ -116,23 +116,9 @@ class NDStrategy:
                 "in its graph and never calls the blocks' forwards, where FSDP gathers its shards; use "
                 f"{'+'.join(a.replace('fsdp', 'ddp') for a in self.axes)!r} (replicas instead of shards), or "
                 "'fsdp+tp' without a pipeline")
-        self._check_replicas(ctx)
         dims = self.dims(ctx)
         if dims.pp > 1:
             check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
-
-    def _check_replicas(self, ctx: Context) -> None:
-        """A data-parallel axis with one replica: say which layout runs that model once (e.g. `pp` for `ddp+pp`)."""
-        cfg, world = ctx.config, ctx.placement.world_size
-        data = [a for a in self.axes if a in ("ddp", "fsdp")]
-        model = ((cfg.tp_size or DEFAULT_SPLIT) if "tp" in self.axes else 1) * (
-            (cfg.pp_size or DEFAULT_SPLIT) if "pp" in self.axes else 1)
-        if data and model > 1 and world % model == 0 and world // model < 2:
-            rest = "+".join(a for a in self.axes if a not in data)
-            raise ParatrainError(
-                f"strategy {self.name!r} needs at least 2 replicas of its {model}-worker model (tp x pp), so a world "
-                f"size >= {2 * model} that is a multiple of {model}; got {world}: use strategy {rest!r} for one "
-                "replica, or launch more workers")
 
     def bound(self, ctx: Context) -> float:
         dims = self.dims(ctx)
