@@ -60,6 +60,11 @@ def pipeline_groups(cluster: Cluster, dp: int, pp: int, tp: int = 1) -> tuple[Gr
     return Group(dp, dp > 1 and dp * tp > per_node), Group(pp, pp > 1 and dp * tp * pp > per_node)
 
 
+def tensor_group(cluster: Cluster, tp: int) -> Group:
+    """Tensor ranks are the innermost mesh axis: neighbours on one node unless tp exceeds a node."""
+    return Group(tp, tp > cluster.devices_per_node)
+
+
 def link_of(cluster: Cluster, group: Group) -> Link:
     return cluster.inter if group.crosses_nodes else cluster.intra
 

@@ -32,7 +32,7 @@ from ..parallel.pipeline import schedules, simulate
 from ..parallel.pipeline.balance import solve
 from . import costs, memory, overlap
 from .cluster import GIB, Cluster
-from .comm import Group, collective_time, p2p_time, pipeline_groups
+from .comm import Group, collective_time, p2p_time, pipeline_groups, tensor_group
 from .costs import Profile
 from .layout import Layout
 from .memory import Memory
@@ -146,11 +146,6 @@ def _shared_cores(step: float, work: float, cluster: Cluster, layout: Layout) ->
     return step
 
 
-def tensor_group(cluster: Cluster, tp: int) -> Group:
-    """Tensor ranks are the innermost mesh axis: neighbours on one node unless tp exceeds a node."""
-    return Group(tp, tp > cluster.devices_per_node)
-
-
 def _tensor_times(profile: Profile, b: int, cluster: Cluster, layout: Layout) -> tuple[list[costs.LayerTime], float]:
     """Each layer's time on one tensor rank, its all-reduces and DTensor's per-call cost included; and the
     seconds of those all-reduces (exposed communication)."""
@@ -192,7 +187,7 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
     lt, tp_comm = _tensor_times(profile, b, cluster, layout)
     fwd, bwd = [t.forward for t in lt], [t.backward for t in lt]
     unit = [tensor_params([layer], tp)[1] for layer in profile.layers]
-    group = Group(dp, dp * tp > cluster.devices_per_node)
+    group = pipeline_groups(cluster, dp, 1, tp)[0]
     reduce = lambda kind: (lambda n: collective_time(cluster, kind, n, group))  # noqa: E731
     if sharded:
         quiet = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap,
