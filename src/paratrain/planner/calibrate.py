@@ -82,17 +82,15 @@ def _pipeline_step(repeats: int) -> float:
     return _timed(lambda: run.forward_backward(model, x, y, loss), repeats)
 
 
-def _tensor_parallel_overhead(repeats: int) -> float:
+def _tensor_parallel_overhead(mesh: Any, repeats: int) -> float:
     """Seconds one DTensor Linear adds per forward and backward over the plain Linear, beyond its all-reduce: a
     column/row pair of tiny Linears, timed sharded over the workers and whole, less the pair's two all-reduces."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     def pair() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     plain = pair()
     sharded = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(8, 8)
@@ -107,18 +105,10 @@ FSDP_WIDTHS = (128, 512)
 _FSDP_UNITS, _FSDP_BATCH = 4, 256
 
 
-def _fsdp_unit_costs(repeats: int) -> list[tuple[float, float]]:
-    """(unit parameter bytes, seconds) one FSDP2 unit adds to a forward and backward beyond its math and its
-    collectives (two all-gathers and one reduce-scatter, timed alone here): Python hooks, the copies into and
-    out of the flat buffers, and the CPU the transfers take from compute beside them. Two unit sizes."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return [_fsdp_unit_cost(width, mesh, repeats) for width in FSDP_WIDTHS]
-
-
 def _fsdp_unit_cost(width: int, mesh: Any, repeats: int) -> tuple[float, float]:
+    """(unit parameter bytes, seconds) one FSDP2 unit of `width` features adds to a forward and backward beyond
+    its math and its collectives (two all-gathers and one reduce-scatter, timed alone here): Python hooks, the
+    copies into and out of the flat buffers, and the CPU the transfers take from compute beside them."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -153,12 +143,14 @@ def _warm_dense_kernels() -> None:
 def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """Runs in each of the calibration workers; rank 0's answer is the measurement."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from ..collectives import max_over_world
 
     pipeline = _pipeline_step(repeats)  # starts the process group through paratrain.setup
-    tensor = max_over_world(_tensor_parallel_overhead(4 * repeats))
-    fsdp = [(n, max_over_world(t)) for n, t in _fsdp_unit_costs(repeats)]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # what the tensor-parallel and FSDP probes shard over
+    tensor = max_over_world(_tensor_parallel_overhead(mesh, 4 * repeats))
+    fsdp = [(n, max_over_world(t)) for n, t in (_fsdp_unit_cost(w, mesh, repeats) for w in FSDP_WIDTHS)]
     _warm_dense_kernels()
     resident = resident_bytes()
     sweep: dict[str, list[tuple[int, float]]] = {}

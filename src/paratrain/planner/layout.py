@@ -18,7 +18,6 @@ from .cluster import Cluster
 TENSOR = ("tp", "ddp+tp", "fsdp+tp", "tp+pp", "ddp+tp+pp")
 """The tensor-parallel layouts the planner predicts (FSDP over pipeline stages is refused by the engine)."""
 STRATEGIES = ("single", "ddp", "fsdp", "pp", "ddp+pp", "mp", *TENSOR)
-PIPELINED = ("pp", "ddp+pp", "mp", "tp+pp", "ddp+tp+pp")
 
 
 def axes(strategy: str) -> tuple[str, ...]:
