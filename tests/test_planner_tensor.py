@@ -45,7 +45,8 @@ def test_the_profile_finds_what_a_plan_splits_in_each_layer() -> None:
     assert first.tp_params == 32 * 32 + 32 and second.tp_params == 32 * 32  # a row-split bias stays whole
     assert first.tp_backward_reduces == (32 * 4,) and first.tp_forward_reduces == ()
     assert second.tp_forward_reduces == (32 * 4,) and second.tp_backward_reduces == ()
-    assert prof.tp_width == 32 and prof.tp_modules == 4
+    assert prof.tp_width == 32
+    assert sum(len(x.tp_forward_reduces) + len(x.tp_backward_reduces) for x in prof.layers) == 4  # planned Linears
 
     gpt = workloads.gpt("tiny")
     cfg_model = gpt.model()

@@ -48,7 +48,8 @@ def _plan(ns: argparse.Namespace) -> int:
         workload=ns.model or ns.workload, global_batch=ns.global_batch, cluster=ns.cluster, devices=ns.devices,
         precision=ns.precision,
         optimizer=ns.optimizer, top=ns.top, out=ns.out, validate=ns.validate,
-        strategies=tuple(s.strip() for s in ns.strategies.split(",") if s.strip()), steps=ns.steps,
+        **({"strategies": tuple(s.strip() for s in ns.strategies.split(",") if s.strip())} if ns.strategies else {}),
+        steps=ns.steps,
         warmup=ns.warmup, repeat=ns.repeat, timeout_s=ns.timeout,
         layouts=[s.strip() for s in ns.layouts.split(";") if s.strip()] if ns.layouts else [],
         command="paratrain " + " ".join(sys.argv[1:]),
@@ -70,8 +71,8 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=None, help="plan for this many of the cluster's devices")
     p.add_argument("--precision", default="32", choices=["32", "bf16", "16"])
     p.add_argument("--optimizer", default="adam", choices=["adam", "momentum", "sgd"])
-    p.add_argument("--strategies", default="single,ddp,fsdp,pp,ddp+pp,mp,tp,ddp+tp,fsdp+tp,tp+pp,ddp+tp+pp",
-                   help="strategies to consider")
+    p.add_argument("--strategies", default=None,
+                   help="strategies to consider, comma-separated (default: every one the planner predicts)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (all go to plan.json)")
     p.add_argument("--out", default=None, help="directory for plan.json, the scaling plot and validation.json")
     p.add_argument("--validate", action="store_true",

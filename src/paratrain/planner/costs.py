@@ -92,11 +92,6 @@ class Profile:
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
 
-    @property
-    def tp_modules(self) -> int:
-        """Planned Linears: each is one DTensor module call forward and backward."""
-        return sum(len(layer.tp_forward_reduces) + len(layer.tp_backward_reduces) for layer in self.layers)
-
     def flops_per_sample(self) -> float:
         return sum(layer.flops_fwd + layer.flops_bwd for layer in self.layers)
 
