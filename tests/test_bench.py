@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import paratrain
+from torch import nn
 
 from paratrain import ParatrainError, strategies
 from paratrain.bench import jobs, mfu, plots, references, report, schema
@@ -76,6 +77,17 @@ def test_plan_details_batch_splits_schedules_and_missing_strategies() -> None:
     gpu = _plan("dp,ddp,pp", [2], micro="2", gpus=1)
     assert "one worker per GPU" in _skipped(gpu)[("ddp", 2, None)][1]
     assert [job.specs[0] for job in gpu.jobs] == [jobs.Spec("single", 1), jobs.Spec("dp", 1)]  # single: baseline
+
+
+def test_compile_pairs_paratrain_with_the_compiled_hand_loops_and_names_the_rest() -> None:
+    settings = replace(_settings(), compile="aot_eager")
+    p = jobs.build(jobs.parse_strategies("ddp,pp"), [2], [2], settings)
+    assert [[s.strategy for s in job.specs] for job in p.jobs] == [["single"], ["ddp", "torch-ddp", "no-comm"], ["pp"]]
+    status, reason = _skipped(p)[("torch-pipelining", 2, 2)]
+    assert status == "not-applicable" and "--compile compiles the hand-written torch-ddp and no-comm" in reason
+    model = nn.Linear(4, 4)
+    assert references._compiled(model, _settings()) is model
+    assert references._compiled(model, settings) is not model
 
 
 def test_bad_flags_fail_fast_naming_the_fix(capsys: pytest.CaptureFixture[str]) -> None:

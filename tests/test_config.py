@@ -49,3 +49,15 @@ def test_numbers_and_combinations() -> None:
 def test_precision_may_be_a_number() -> None:
     assert make_config({"precision": 16}).precision == "16"
     assert make_config({}).strategy == "auto"
+
+
+def test_pipelines_refuse_a_torch_they_are_not_proven_on() -> None:
+    from paratrain.parallel.options import check_torch_for_pipelining
+
+    check_torch_for_pipelining("strategy 'pp'")  # the torch this suite runs
+    for proven in ("2.13.0+cpu", "2.14.0a0+git1234", "2.14.1", "3.0.0"):
+        check_torch_for_pipelining("strategy 'pp'", proven)
+    with pytest.raises(ParatrainError, match=r"torch 2\.11\.0\+cu130.*pip install 'torch>=2\.13'.*strategy 'mp'"):
+        check_torch_for_pipelining("strategy 'ddp+pp'", "2.11.0+cu130")
+    with pytest.raises(ParatrainError, match="torch 2.12.1"):
+        check_torch_for_pipelining("strategy 'pp'", "2.12.1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,13 +126,21 @@ def test_memory_of_data_parallel_layouts() -> None:
     params = prof.params
     single = predict.predict(prof, Layout(strategy="single"), c, 16).memory
     # Adam: two float32 states and the temporary its step makes
-    assert (single.params, single.grads, single.optimizer) == (4 * params, 4 * params, 12 * params)
+    assert (single.params, single.grads, single.optimizer, single.temporary) == (4 * params, 4 * params,
+                                                                                 8 * params, 4 * params)
     assert single.activations == pytest.approx((8 * 100 + 2 * 50) * 16)
+    held = single.params + single.optimizer + single.data
+    if c.kind == "cuda":  # the allocator reuses the activations' memory for gradients and the step's temporary
+        assert single.phased and single.total == pytest.approx(held + max(single.activations, 8 * params))
+    on_cpu = predict.predict(prof, Layout(strategy="single"), replace(c, kind="cpu"), 16).memory
+    assert not on_cpu.phased and on_cpu.total == pytest.approx(held + single.activations + 8 * params)
+    accumulating = predict.predict(prof, Layout(strategy="single", grad_accum=2), c, 16).memory
+    assert not accumulating.phased  # gradients stay through the next micro-step's forward
     ddp = predict.predict(prof, Layout(strategy="ddp", dp=4), c, 16).memory
     assert ddp.buffers == 4 * params  # DDP's buckets copy the gradients
     assert ddp.activations == pytest.approx((8 * 100 + 2 * 50) * 4)
     fsdp = predict.predict(prof, Layout(strategy="fsdp", dp=4), c, 16).memory
-    assert (fsdp.params, fsdp.optimizer) == (params, 3 * params)  # sharded four ways
+    assert (fsdp.params, fsdp.optimizer, fsdp.temporary) == (params, 2 * params, params)  # sharded four ways
     sgd = predict.predict(prof, Layout(strategy="single"), c, 16, optimizer="sgd").memory
     assert sgd.optimizer == 0
 
@@ -253,6 +262,11 @@ def test_profile_measures_flops_memory_and_times_of_each_layer() -> None:
     assert set(first.seconds) == {2, 4} and all(f > 0 and b > 0 for f, b in first.seconds.values())
     assert prof.optimizer_s_per_param and prof.optimizer_s_per_param > 0
     json.dumps(prof.as_dict())
+    # on a GPU the layers, each timed with the device synchronised, are scaled to the whole step where it is shorter
+    from paratrain.planner.profile import _overlapped
+
+    assert _overlapped([(1.0, 2.0), (3.0, 4.0)], 5.0) == [(0.5, 1.0), (1.5, 2.0)]
+    assert _overlapped([(1.0, 2.0)], 4.0) == [(1.0, 2.0)]  # a longer step is overhead, kept apart
 
 
 # -- validation bookkeeping (the runner replaced at its one seam) -------------------------------------
@@ -295,6 +309,23 @@ def test_validation_covers_the_named_layouts_and_scores_them_against_a_runner() 
     assert validate.rank_correlation([1, 2, 3, 4, 5], [1, 3, 2, 4, 5]) == pytest.approx(0.9)
     with pytest.raises(ParatrainError, match="--cluster local"):
         validate.run(prof, _cluster(), settings, chosen, measure=runner)
+
+
+def test_gpu_validation_runs_one_worker_per_gpu_and_its_calibration_probes_run_on_any_device() -> None:
+    from paratrain.planner import calibrate_gpu, validate
+
+    one = _cluster(kind="cuda", devices_per_node=1, nodes=1, measured_here=True)
+    four = _cluster(kind="cuda", devices_per_node=4, nodes=1, measured_here=True)
+    assert [x.label for x in validate.local_layouts("bf16", one)] == ["single"]
+    assert [x.label for x in validate.local_layouts("32", four)] == [
+        "single", "ddp 4", "fsdp 4", "tp 4", "pp 4 (1f1b, M=4)", "pp 4 (1f1b, M=8)"]
+    assert all(x.processes <= 4 for x in validate.local_layouts("32", four))
+    # the probes are device-generic: on the CPU they measure the CPU (a GPU's run is in docs/plan.md)
+    cpu = torch.device("cpu")
+    best, curve = calibrate_gpu.matmul_curve(cpu, torch.float32, sides=(16, 64), repeats=2)
+    assert best > 0 and [f for f, _ in curve] == [2.0 * 16**3, 2.0 * 64**3]
+    assert max(share for _, share in curve) == 1.0 and all(0 < share <= 1 for _, share in curve)
+    assert calibrate_gpu.memory_bandwidth(cpu, elements=2**16) > 0
 
 
 def test_fsdp_pays_its_measured_cost_per_unit() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from paratrain.config import make_config
 from paratrain.measure import workloads
@@ -53,6 +54,17 @@ def test_the_profile_finds_what_a_plan_splits_in_each_layer() -> None:
     prof = measure(cfg_model, gpt.data, gpt.loss(), [2], name="gpt", repeats=1, tp_plan=gpt.tp_plan)
     embed, *blocks, head = prof.layers
     assert embed.tp_share == head.tp_share == 0 and embed.tp_params == head.tp_params == 0
+    # the head's weight is the embedding's (tied): held once, and a stage with the head alone holds its copy
+    tied = cfg_model.head.proj.weight.numel()
+    assert (head.shared_params, head.shared_with) == (tied, (embed.name,))
+    assert prof.params == sum(p.numel() for p in cfg_model.parameters())  # distinct parameters
+    assert predict.tensor_params([head], 1)[0] == head.params
+    # a block's backward counted once (its two gradient passes apart would count its inner products twice):
+    # the layers add up to one whole step's count
+    x, y = gpt.data(2)
+    with FlopCounterMode(display=False) as counted:
+        gpt.loss()(cfg_model(x), y).backward()
+    assert prof.flops_per_sample() * 2 == pytest.approx(counted.get_total_flops(), rel=1e-9)
     block = cfg_model.blocks[0]
     d_model, tokens = block.mlp.fc.in_features, gpt.tokens
     for x in blocks:

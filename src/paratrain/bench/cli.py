@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=None, help="timed blocks per configuration, alternated")
     p.add_argument("--precision", default="32", choices=PRECISIONS)
     p.add_argument("--channels-last", action="store_true", help="channels-last memory format (image models)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile: paratrain with setup(compile=...), the hand-written loops with "
+                        "torch.compile(model) as nanoGPT does (default backend inductor)")
     p.add_argument("--image-size", type=int, default=None, help="image side for convnet / resnet50")
     p.add_argument("--gpt-size", default=None, choices=("tiny", "mini", "gpt2"),
                    help="size of the gpt workload: tiny (tests), mini (default on CPU), gpt2 (GPT-2 small, "
@@ -89,6 +92,7 @@ def _command(ns: argparse.Namespace, settings: Any, workers: list[int]) -> str:
               f"--repeat {settings.repeat}"]
     parts += [f"--precision {settings.precision}"] if settings.precision != "32" else []
     parts += ["--channels-last"] if settings.channels_last else []
+    parts += [f"--compile {settings.compile}"] if settings.compile else []
     parts += [f"--image-size {settings.image}"] if settings.image else []
     parts += [f"--gpt-size {settings.gpt_size}"] if settings.gpt_size else []
     parts += [f"--comm-hook {','.join(settings.comm_hooks)}"] if settings.comm_hooks != ("none",) else []
@@ -119,7 +123,7 @@ def main(ns: argparse.Namespace, planner: Planner | None = None) -> int:
         warmup=_positive(ns.warmup, workload.warmup, "--warmup", minimum=0),
         repeat=_positive(ns.repeat, workload.repeat, "--repeat"),
         schedule=",".join(planning.schedules(ns.schedule or "1f1b")), precision=ns.precision,
-        channels_last=ns.channels_last, comm_hooks=_comm_hooks(ns.comm_hook),
+        channels_last=ns.channels_last, comm_hooks=_comm_hooks(ns.comm_hook), compile=ns.compile,
     )
     plan = None
     if ns.plan:
@@ -155,7 +159,8 @@ def main(ns: argparse.Namespace, planner: Planner | None = None) -> int:
         "global_batch": settings.batch,
         "settings": {"steps": settings.steps, "warmup": settings.warmup, "repeat": settings.repeat,
                      "schedule": settings.schedule, "precision": settings.precision,
-                     "channels_last": settings.channels_last, "gpt_size": settings.gpt_size},
+                     "channels_last": settings.channels_last, "gpt_size": settings.gpt_size,
+                     "compile": settings.compile},
         "runs": [],
     }
     m = results["machine"]

@@ -37,6 +37,8 @@ CEILING = "no-comm"
 strategy can be on this machine (it exposes shared cores, memory bandwidth and SMT siblings). Runs beside
 the strategy whose reference is torch-ddp."""
 AUTO_MICROBATCHES = (1, 2, 4, 8)
+COMPILED_REFERENCES = ("torch-ddp", CEILING)
+"""The hand-written loops `--compile` compiles (one model per worker: `torch.compile(model)`)."""
 
 
 def schedules(text: str) -> list[str]:
@@ -65,6 +67,8 @@ class Settings:
     schedule: str = "1f1b"
     precision: str = "32"
     channels_last: bool = False
+    compile: str | None = None
+    """torch.compile backend (`--compile`): paratrain's `setup(compile=...)`, the references' whole model."""
     gpus: int = 0
     comm_hooks: tuple[str, ...] = ("none",)
     """DDP communication settings to time side by side (`--comm-hook`): none (torch's), auto, or a lossy one."""
@@ -189,6 +193,10 @@ class _Builder:
         if spec.schedule is not None and spec.schedule not in REFERENCE_SCHEDULES:
             self.skip(twin, f"the hand-written torch.distributed.pipelining reference covers schedules "
                             f"{', '.join(REFERENCE_SCHEDULES)}, not {spec.schedule!r}")
+            return [spec]
+        if self.s.compile and ref not in COMPILED_REFERENCES:
+            self.skip(twin, f"--compile compiles the hand-written {' and '.join(COMPILED_REFERENCES)} loops "
+                            f"(the whole model, as nanoGPT does); {ref} is not written compiled")
             return [spec]
         ceiling = [Spec(CEILING, spec.workers, bound=spec.workers)] if ref == "torch-ddp" else []
         return [spec, twin, *ceiling]

@@ -143,10 +143,16 @@ def _loop(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_fn:
     return step
 
 
+def _compiled(model: nn.Module, settings: Settings) -> nn.Module:
+    """The whole model compiled, as nanoGPT's loop does (`--compile`); DDP wraps the compiled module, as torch's
+    DDP + compile guide writes it."""
+    return torch.compile(model, backend=settings.compile) if settings.compile else model  # type: ignore[return-value]
+
+
 def torch_ddp(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(workload, settings).to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp_model = DDP(_compiled(model, settings), device_ids=[device.index] if device.type == "cuda" else None)
     share = settings.batch // world
     inputs = _inputs(data[0][rank * share:(rank + 1) * share], device, settings)
     labels = data[1][rank * share:(rank + 1) * share].to(device)
@@ -162,7 +168,7 @@ def no_comm(spec: Spec, workload: Workload, data: Batch, settings: Settings, dev
     inputs = _inputs(data[0][rank * share:(rank + 1) * share], device, settings)
     labels = data[1][rank * share:(rank + 1) * share].to(device)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
-    return _loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
+    return _loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device, settings.precision)
 
 
 def torch_tensor_parallel(spec: Spec, workload: Workload, data: Batch, settings: Settings,

@@ -59,6 +59,8 @@ def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settin
     if spec.devices is not None:
         options["devices"] = list(spec.devices)
     options.update(spec.options)
+    if settings.compile:
+        options["compile"] = True if settings.compile == "inductor" else settings.compile
     if "tp" in spec.strategy.split("+") and workload.tp_plan:
         options["tp_plan"] = workload.tp_plan
     run = paratrain.setup(**options)

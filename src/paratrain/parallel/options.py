@@ -36,8 +36,38 @@ def example_needed(where: str, why: str) -> ParatrainError:
     )
 
 
+PIPELINING_FLOOR = (2, 13)
+"""The oldest torch paratrain's pipelines are proven on: the whole suite runs on 2.14.1, and the pipeline tests that
+fail under torch 2.11 (tests/test_pp.py, test_hybrid.py's four-worker pipelines, test_dropout_stats.py, the LoRA
+checkpoint of test_resume_layouts.py) pass on 2.13.0. Under 2.11 three parts of torch.distributed.pipelining fail
+here: a stage that receives an integer tensor (token ids, positions) asks it for a gradient ("only Tensors of
+floating point dtype can require gradients"), a V schedule's start-up sends to the worker's own rank, which gloo
+cannot ("Pair is not connected"), and dropout under `pp` draws other masks than one process - the last one
+trains on silently. 2.12 is untried."""
+
+
+def _torch_release(version: str) -> tuple[int, int]:
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def check_torch_for_pipelining(where: str, version: str | None = None) -> None:
+    """Multi-process pipelines refuse a torch older than `PIPELINING_FLOOR`, naming what fails there."""
+    import torch
+
+    found = version or torch.__version__
+    if _torch_release(found) < PIPELINING_FLOOR:
+        floor = ".".join(map(str, PIPELINING_FLOOR))
+        raise ParatrainError(
+            f"{where} trains through torch.distributed.pipelining, which paratrain runs on torch >= {floor}; this is "
+            f"torch {found}, under which pipelines fail or train differently from one process (integer tensors "
+            "between stages, V schedules on gloo, dropout masks: see paratrain/parallel/options.py); upgrade torch "
+            f"(pip install 'torch>={floor}'), or use strategy 'mp' (a pipeline in one process), 'ddp' or 'fsdp'")
+
+
 def check_pipeline(cfg: Config, pp: int, where: str) -> None:
     """What every multi-process pipeline (pp, ddp+pp) needs from the options, given `pp` pipeline ranks."""
+    check_torch_for_pipelining(where)
     schedules.check(cfg.schedule, pp, cfg.stages_per_worker, cfg.microbatches, cfg.activation_checkpointing,
                     cfg.compiling)
     check_balance_entries(cfg.balance, pp * cfg.stages_per_worker, where)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from ..errors import ParatrainError, unknown_name
 from . import cluster as clusters
@@ -54,9 +55,11 @@ def now() -> str:
 def load_cluster(name: str, out: Path | None, say: Say = print) -> Cluster:
     if name != clusters.LOCAL:
         return clusters.load(name)
-    from .calibrate import measure
+    import torch
 
-    found = measure(say=say)
+    from . import calibrate, calibrate_gpu
+
+    found = calibrate_gpu.measure(say=say) if torch.cuda.is_available() else calibrate.measure(say=say)
     if out is not None:
         say(f"  wrote {clusters.write(found, out / 'cluster-local.json')} (pass it as --cluster next time)")
     return found
@@ -87,13 +90,21 @@ def load_profile(request: PlanRequest, cluster: Cluster, say: Say = print) -> tu
     from ..measure import workloads
     from .profile import measure
 
-    workload = workloads.get(request.workload)
+    on_gpu = cluster.kind == "cuda" and cluster.measured_here  # measured where it will train
+    workload = workloads.get(request.workload, gpu=on_gpu)
     batch = request.global_batch or workload.batch
     sizes = micro_sizes(batch) if cluster.measured_here else micro_sizes(batch)[:1]
-    say(f"paratrain plan: profiling {workload.name} layer by layer at micro-batch sizes {sizes} (one thread)")
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    say(f"paratrain plan: profiling {workload.name} layer by layer at micro-batch sizes {sizes} "
+        f"({'on ' + str(device) if on_gpu else 'one thread'})")
     torch.manual_seed(0)
-    profile = measure(workload.model(), workload.data, workload.loss(), sizes, name=workload.name,
-                      precision=request.precision, optimizer=request.optimizer, tp_plan=workload.tp_plan)
+
+    def data(b: int) -> tuple[Any, Any]:
+        return tuple(t.to(device) for t in workload.data(b))  # type: ignore[return-value]
+
+    profile = measure(workload.model().to(device), data, workload.loss(), sizes, name=workload.name,
+                      precision=request.precision, optimizer=request.optimizer, tp_plan=workload.tp_plan,
+                      device=device)
     return profile, batch
 
 
@@ -153,7 +164,7 @@ def _validate(request: PlanRequest, profile: Profile, cluster: Cluster, batch: i
     if request.workload in transformer.PRESETS:
         raise ParatrainError(f"--validate runs the model, but {request.workload} is analytic; validate a workload "
                              "that can be built here (toy, mlp, convnet, resnet50 or --model module:factory)")
-    layouts = validate.local_layouts(request.precision)
+    layouts = validate.local_layouts(request.precision, cluster)
     if request.layouts:
         chosen = [layout for layout in layouts if layout.label in request.layouts]
         unknown = sorted(set(request.layouts) - {layout.label for layout in chosen})
@@ -161,9 +172,9 @@ def _validate(request: PlanRequest, profile: Profile, cluster: Cluster, batch: i
             raise ParatrainError(f"--layouts {unknown} are not validation layouts; choose from "
                                  f"{[layout.label for layout in layouts]}")
         layouts = chosen
-    settings = validate.Settings(workload=request.workload, batch=batch, optimizer=request.optimizer,
-                                 steps=request.steps, warmup=request.warmup, repeat=request.repeat,
-                                 timeout_s=request.timeout_s)
+    settings = validate.Settings(workload=request.workload, gpu=cluster.kind == "cuda", batch=batch,
+                                 optimizer=request.optimizer, steps=request.steps, warmup=request.warmup,
+                                 repeat=request.repeat, timeout_s=request.timeout_s)
     say(f"\nvalidating {len(layouts)} layout(s) on this machine ({settings.warmup} warm-up + {settings.repeat} x "
         f"{settings.steps} timed steps each, fresh workers per layout)")
     records = validate.run(profile, cluster, settings, layouts, say=say)

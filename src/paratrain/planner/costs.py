@@ -53,6 +53,10 @@ class LayerCost:
     """Per-sample bytes of each all-reduce over the tensor ranks in the forward (a row-split Linear's output)."""
     tp_backward_reduces: tuple[float, ...] = ()
     """Per-sample bytes of each all-reduce in the backward (a column-split Linear's input gradient)."""
+    shared_params: int = 0
+    """Parameters of this layer that an earlier layer holds too (a tied weight, e.g. a GPT's head and embedding)."""
+    shared_with: tuple[str, ...] = ()
+    """The earlier layers holding them: where one of them is on the same worker the weight is held once there."""
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -86,11 +90,13 @@ class Profile:
 
     @property
     def params(self) -> int:
-        return sum(layer.params for layer in self.layers)
+        """Distinct parameters (a tied weight once)."""
+        return sum(layer.params - layer.shared_params for layer in self.layers)
 
     @property
     def param_bytes(self) -> int:
-        return sum(layer.param_bytes for layer in self.layers)
+        return sum(round(layer.param_bytes * (1 - layer.shared_params / layer.params)) if layer.params else 0
+                   for layer in self.layers)
 
     def flops_per_sample(self) -> float:
         return sum(layer.flops_fwd + layer.flops_bwd for layer in self.layers)

@@ -17,6 +17,11 @@ worker holds before the model, as the cluster spec says the measurement counts i
 pipeline rank also keeps the high-water mark of its build (`retained`): before keeping its stages it
 runs every layer of the whole model on one micro-batch to balance them, with trial gradients for all
 parameters, and a process's resident set does not shrink after freeing.
+
+On a GPU the caching allocator hands freed memory back to the next phase of the step: gradients, freed by
+`zero_grad()` before the forward, and the optimizer's temporary exist when the activations are gone, so the peak
+of a step without accumulation is the larger phase (`phased`), not their sum. On an H200 the sum overstated
+GPT-2 small's and ResNet-50's measured peaks by 15-19%.
 """
 
 from __future__ import annotations
@@ -46,10 +51,17 @@ class Memory:
     in_flight: int = 1
     """Micro-batches whose activations are held at once (pipelines)."""
 
+    temporary: float = 0.0
+    """What the optimizer step allocates and frees (Adam: the square root of its second moment)."""
+    phased: bool = False
+    """Activations and (gradients + the optimizer's temporary) are never held at once (see the module docstring)."""
+
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.activations + self.buffers + self.data + self.process
-                + self.retained)
+        held = self.params + self.optimizer + self.buffers + self.data + self.process + self.retained
+        if self.phased:
+            return held + max(self.activations, self.grads + self.temporary)
+        return held + self.activations + self.grads + self.temporary
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
@@ -60,7 +72,8 @@ def model_state(param_bytes: float, params: float, optimizer: str, shard: int = 
     step also makes one parameter-sized temporary (the square root of its second moment)."""
     states = OPTIMIZER_STATES[optimizer] * FLOAT32 * params
     temporary = FLOAT32 * params if optimizer == "adam" else 0.0
-    return Memory(params=param_bytes / shard, grads=param_bytes / shard, optimizer=(states + temporary) / shard)
+    return Memory(params=param_bytes / shard, grads=param_bytes / shard, optimizer=states / shard,
+                  temporary=temporary / shard)
 
 
 def activations(per_sample: float, largest_output_per_sample: float, batch: float) -> float:

@@ -114,10 +114,12 @@ def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, opti
     else:
         out = _data_parallel(profile, layout, cluster, batch, optimizer)
     out.memory.process = cluster.process_bytes
+    out.memory.phased = cluster.kind == "cuda" and layout.grad_accum == 1 and not (layout.scheduled or
+                                                                                   layout.strategy == "mp")
     needed, available = out.memory.total + cluster.reserved, capacity(cluster, layout)
     if available and needed > available:
         out.fits = False
-        state = out.memory.params + out.memory.grads + out.memory.optimizer
+        state = out.memory.params + out.memory.grads + out.memory.optimizer + out.memory.temporary
         out.reason = (f"needs {needed / GIB:.1f} GiB per worker, {available / GIB:.1f} GiB available "
                       f"(parameters+gradients+optimizer {state / GIB:.1f}, "
                       f"activations {out.memory.activations / GIB:.1f})")
@@ -168,10 +170,16 @@ def _tensor_times(profile: Profile, b: int, cluster: Cluster, layout: Layout) ->
 
 
 def tensor_params(layers: list[costs.LayerCost], tp: int) -> tuple[float, float]:
-    """(parameters, bytes) one tensor rank holds of `layers`."""
-    params = sum(x.params - x.tp_params * (1 - 1 / tp) for x in layers)
-    scale = [x.param_bytes / x.params if x.params else 4.0 for x in layers]
-    held = sum(s * (x.params - x.tp_params * (1 - 1 / tp)) for s, x in zip(scale, layers))
+    """(parameters, bytes) one tensor rank holds of `layers`: a weight tied between two of them once."""
+    names = {x.name for x in layers}
+    params = held = 0.0
+    for x in layers:
+        if not x.params:
+            continue
+        tied = x.shared_params if names.intersection(x.shared_with) else 0
+        mine = (x.params - x.tp_params * (1 - 1 / tp)) * (1 - tied / x.params)
+        params += mine
+        held += mine * x.param_bytes / x.params
     return params, held
 
 

@@ -5,14 +5,16 @@ Each layer runs alone on a detached copy of its input, timed by the pipelines' o
 pipeline schedules them apart. Times are the median
 of a few repeats after a warm-up: `--validate` compares predictions with the median step of real runs,
 and on a shared machine the fastest repeat is the exception (predicting from it biased every layout
-low by 5-10% on the 2-core development machine). FLOPs are counted once with
-`torch.utils.flop_counter`, the backward twice: gradients for the layer's input only, then for its
-weights only, which gives the share a zero-bubble schedule defers. Activation bytes come from the
-saved-tensor meter the pipelines report with (`parallel.pipeline.memory.ActivationMeter`).
+low by 5-10% on the 2-core development machine). FLOPs are counted with `torch.utils.flop_counter`: the
+backward once over inputs and weights, and apart for the input and the weight gradients, which gives the
+share a zero-bubble schedule defers. Activation bytes come from the saved-tensor meter the pipelines report
+with (`parallel.pipeline.memory.ActivationMeter`), over the layers run as one chain (`_saved_in_chain`). A
+weight two layers share (a tied embedding and head) is recorded on the later one (`shared_params`).
 
 The whole model is then timed as one step; what it costs beyond the sum of its layers (hooks,
 Python, the loss glue) is kept as a per-call overhead, and one optimizer step is timed for its cost
-per parameter. CPU measurements run on one thread, as every CPU worker does.
+per parameter. On a GPU the whole step is timed at every size and the layers scaled to it where it is
+shorter (`_overlapped`). CPU measurements run on one thread, as every CPU worker does.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .._tree import map_tensors, nbytes
 from ..parallel.pipeline.balance import LayerTimes, time_layers
-from ..parallel.pipeline.memory import param_bytes
+from ..parallel.pipeline.memory import ActivationMeter, param_bytes
 from ..parallel.pipeline.partition import layers_of
 from ..precision import apply_autocast
 from . import tensor_profile
@@ -81,7 +83,8 @@ def _chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module, repeats
 
 
 def _count(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module) -> list[tuple[float, float, float]]:
-    """(forward, input-gradient, weight-gradient) FLOPs per layer, the loss folded into the last layer."""
+    """(forward, input-gradient, weight-gradient) FLOPs per layer, the loss folded into the last layer; the two
+    gradients add up to one backward over both."""
     counts = []
     value = x
     for module in [*modules, None]:
@@ -90,16 +93,24 @@ def _count(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module) -> list
             out = _call(module, value) if module is not None else loss_fn(value, y)
         outs = _float_outputs(out)
         inputs = _inputs_of(value)
-        weights = [p for p in (module.parameters() if module is not None else []) if p.requires_grad]
+        held = module.parameters() if module is not None else []
+        weights: list[torch.Tensor] = [p for p in held if p.requires_grad]
+        ones = [torch.ones_like(t) for t in outs]
+        with FlopCounterMode(display=False) as both:
+            if outs and inputs + weights:
+                torch.autograd.grad(outs, inputs + weights, ones, retain_graph=True, allow_unused=True)
         with FlopCounterMode(display=False) as grad_in:
             if outs and inputs:
-                torch.autograd.grad(outs, inputs, [torch.ones_like(t) for t in outs], retain_graph=True,
-                                    allow_unused=True)
+                torch.autograd.grad(outs, inputs, ones, retain_graph=True, allow_unused=True)
         with FlopCounterMode(display=False) as grad_w:
             if outs and weights:
-                torch.autograd.grad(outs, weights, [torch.ones_like(t) for t in outs], allow_unused=True)
-        counts.append((float(fwd.get_total_flops()), float(grad_in.get_total_flops()),
-                       float(grad_w.get_total_flops())))
+                torch.autograd.grad(outs, weights, ones, allow_unused=True)
+        # apart, the two passes each run the backward through a block's inner products (counted twice): the
+        # backward is the one pass over both, split in the shares the two passes give
+        total, apart = float(both.get_total_flops()), float(grad_in.get_total_flops() + grad_w.get_total_flops())
+        scale = total / apart if apart else 0.0
+        counts.append((float(fwd.get_total_flops()), float(grad_in.get_total_flops()) * scale,
+                       float(grad_w.get_total_flops()) * scale))
         value = map_tensors(lambda t: t.detach(), out)
     loss = counts.pop()
     last = counts[-1]
@@ -118,6 +129,36 @@ def _whole_step(model: nn.Module, x: Any, y: Any, loss_fn: nn.Module, repeats: i
         if rep > 0:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _saved_in_chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module) -> list[int]:
+    """Bytes each layer (and, last, the loss) saves for backward when the layers run as one chain: a storage is
+    charged to the first layer saving it, so a tensor one layer saves as its output and the next as its input
+    (a ReLU's result that a convolution keeps) counts once, as in the whole model. Timed alone on a copy of its
+    input (`time_layers`), every layer keeps its own copy of that tensor."""
+    meter = ActivationMeter(exclude=modules)
+    value = x
+    with meter.measure():
+        for i, module in enumerate(modules):
+            meter.owner = i
+            value = _call(module, value)
+        meter.owner = len(modules)
+        loss = loss_fn(value, y)
+    loss.backward()
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+    return [meter.owned_peak.get(i, 0) for i in range(len(modules) + 1)]
+
+
+def _overlapped(layers: list[tuple[float, float]], whole: float) -> list[tuple[float, float]]:
+    """Layer times scaled to the whole step where it is shorter than their sum. Each layer is timed alone with
+    the device synchronised around it, so every timing pays the kernel launches' latency; in a step the host
+    queues the next kernels while the device runs, and that latency hides (on an H200, GPT-2 small's layers
+    summed to 1.4x its bf16 step, ResNet-50's to 1.5x). The scale keeps the layers' proportions, which is
+    what stage balance and schedule simulation read."""
+    parts = sum(f + b for f, b in layers)
+    scale = min(1.0, whole / parts) if parts else 1.0
+    return [(f * scale, b * scale) for f, b in layers]
 
 
 def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -161,22 +202,30 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         flops = _count(modules, x_small, y_small, loss_fn)
         split = tensor_profile.measure(model, x_small, [n for n, _ in layers], tp_plan)
         largest = sizes[-1]
-        x, y = batch(largest)
-        whole = _whole_step(apply_autocast(model, precision, device.type), x, y, loss_fn, repeats, device)
+        stepped = apply_autocast(model, precision, device.type)
+        wholes = {b: _whole_step(stepped, *batch(b), loss_fn, repeats, device)
+                  for b in (sizes if device.type == "cuda" else [largest])}
+        saved = _saved_in_chain(modules, *batch(largest), loss_fn)
         opt = _optimizer_seconds(model, optimizer, repeats, device)
     median = statistics.median
     seconds_at = {b: [(median(t.forwards), median(t.backwards)) for t in measured[b]] for b in sizes}
+    if device.type == "cuda":  # see _overlapped
+        seconds_at = {b: _overlapped(times, wholes[b]) for b, times in seconds_at.items()}
     parts = sum(f + b for f, b in seconds_at[largest])
+    whole = wholes[largest]
     costs = []
+    seen: dict[int, str] = {}  # parameter -> the first layer holding it
     for i, (layer_name, module) in enumerate(layers):
         fwd, grad_in, grad_w = (f / sizes[0] for f in flops[i])
         timing = measured[largest]
         seconds = {b: seconds_at[b][i] for b in sizes}
-        activations = timing[i].activation_bytes
+        activations = saved[i]
         if i == len(layers) - 1:  # the loss runs with the last layer (it is the last stage's work)
             seconds = {b: (s[0] + seconds_at[b][-1][0], s[1] + seconds_at[b][-1][1]) for b, s in seconds.items()}
-            activations += timing[-1].activation_bytes
+            activations += saved[-1]
         tp = split.splits.get(layer_name, tensor_profile.Split())
+        tied = [(seen.setdefault(id(p), layer_name), p.numel()) for p in module.parameters()]
+        tied = [(owner, n) for owner, n in tied if owner != layer_name]
         costs.append(LayerCost(
             name=layer_name, params=sum(p.numel() for p in module.parameters()), param_bytes=param_bytes(module),
             flops_fwd=fwd, flops_bwd=grad_in + grad_w,
@@ -184,6 +233,7 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
             activation_bytes=activations / largest, output_bytes=timing[i].output_bytes / largest, seconds=seconds,
             tp_share=min(1.0, tp.flops / fwd) if fwd else float(tp.touched), tp_params=tp.params,
             tp_forward_reduces=tuple(tp.forward), tp_backward_reduces=tuple(tp.backward),
+            shared_params=sum(n for _, n in tied), shared_with=tuple(sorted({owner for owner, _ in tied})),
         ))
     return Profile(
         name=name, layers=costs, sample_bytes=(nbytes(x) + nbytes(y)) / largest, source="measured",

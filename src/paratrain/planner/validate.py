@@ -36,10 +36,13 @@ from .predict import predict
 MICROBATCHES = (1, 2, 4, 8)
 
 
-def local_layouts(precision: str = "32") -> list[Layout]:
+def local_layouts(precision: str = "32", cluster: Cluster | None = None) -> list[Layout]:
     """What fits a 2-core machine: single, ddp 2, fsdp 2, pp 2 at M in {1, 2, 4, 8} for each schedule
     (interleaved and zero-bubble with 2 stages per worker), mp 2, ddp+pp 2 x 2, tp 2, and the tensor-parallel
-    layouts of 4 workers (more workers than cores: the planner must predict them slow): fsdp+tp and tp+pp."""
+    layouts of 4 workers (more workers than cores: the planner must predict them slow): fsdp+tp and tp+pp.
+    On GPUs one worker per GPU: single, and with n GPUs ddp, fsdp and tp over all n and pp n (1F1B, M=4, 8)."""
+    if cluster is not None and cluster.kind == "cuda":
+        return gpu_layouts(cluster.devices, precision)
     out = [Layout(strategy="single", precision=precision), Layout(strategy="ddp", dp=2, precision=precision),
            Layout(strategy="fsdp", dp=2, precision=precision)]
     for schedule in NAMES:
@@ -55,9 +58,20 @@ def local_layouts(precision: str = "32") -> list[Layout]:
     return out
 
 
+def gpu_layouts(gpus: int, precision: str = "32") -> list[Layout]:
+    out = [Layout(strategy="single", precision=precision)]
+    if gpus > 1:
+        out += [Layout(strategy=s, dp=gpus, precision=precision) for s in ("ddp", "fsdp")]
+        out += [Layout(strategy="tp", tp=gpus, precision=precision)]
+        out += [Layout(strategy="pp", pp=gpus, schedule="1f1b", microbatches=m, precision=precision) for m in (4, 8)]
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     workload: str
+    gpu: bool = False
+    """The workload as it runs on GPUs (`workloads.get(gpu=True)`: GPT-2 small, the tutorials' ResNet-50 images)."""
     batch: int
     optimizer: str = "adam"
     steps: int = 5
@@ -86,7 +100,7 @@ def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str,
 
     from ..measure import workloads
 
-    workload = workloads.get(settings.workload)
+    workload = workloads.get(settings.workload, gpu=settings.gpu)
     if options.get("tp_size", 1) > 1 and workload.tp_plan:
         options = {**options, "tp_plan": workload.tp_plan}  # the plan the profile measured
     run = paratrain.setup(**options, seed=0, timeout_s=settings.timeout_s)
