@@ -90,6 +90,16 @@ def test_compile_pairs_paratrain_with_the_compiled_hand_loops_and_names_the_rest
     assert references._compiled(model, settings) is not model
 
 
+def test_every_strategy_says_how_many_processes_one_pipeline_spans() -> None:
+    """What the schedule bound divides by: tensor and data ranks are not stages, mp's stages share one process."""
+    spans = {(name, nproc, options.get("tp_size"), options.get("pp_size")):
+             strategies.get(name).pipeline_ranks(jobs.context(name, nproc, _settings(), **options))
+             for name, nproc, options in [("single", 1, {}), ("ddp", 4, {}), ("fsdp", 2, {}), ("mp", 1, {}),
+                                          ("pp", 4, {}), ("ddp+pp", 4, {"pp_size": 2}), ("tp", 2, {}),
+                                          ("tp+pp", 4, {"tp_size": 2}), ("fsdp+tp", 4, {"tp_size": 2})]}
+    assert list(spans.values()) == [1, 1, 1, 1, 4, 2, 1, 2, 1], spans
+
+
 def test_bad_flags_fail_fast_naming_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--strategies", "single,ppp"]) == 2
     assert "Did you mean 'pp'" in capsys.readouterr().err

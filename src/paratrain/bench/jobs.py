@@ -168,8 +168,7 @@ def _schedule_bound(strategy: Strategy, ctx: Context) -> float:
     cfg = ctx.config
     if not isinstance(cfg.microbatches, int) or cfg.schedule is None:
         return bound
-    dims = getattr(strategy, "dims", None)  # an N-D strategy's degrees (tensor ranks are not pipeline ranks)
-    pp = dims(ctx).pp if dims is not None else ctx.placement.world_size // strategy.data_shard(ctx)[1]
+    pp = strategy.pipeline_ranks(ctx)
     names = auto_names(cfg.stages_per_worker) if cfg.schedule == "auto" else [cfg.schedule]
     best = max(schedule_speedup(name, pp, cfg.stages_per_worker, cfg.microbatches) for name in names)
     return bound * best / pipeline_bound(pp, cfg.microbatches)

@@ -72,5 +72,9 @@ class Strategy(Protocol):
         """A forward-only pass (the caller sets eval mode and no_grad): the outputs, or given `loss_fn` the
         mean loss over the rows of every rank, on every rank. Pipelines return outputs on the last stage."""
 
+    def pipeline_ranks(self, ctx: Context) -> int:
+        """Processes one pipeline of this layout spans: 1 where no pipeline crosses processes (mp's stages share
+        one), every worker for pp, the pipeline degree of an N-D layout (its tensor ranks are not stages)."""
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the wrapper (for state dicts)."""

@@ -74,6 +74,9 @@ class DataModelParallel:
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
+    def pipeline_ranks(self, ctx: Context) -> int:
+        return 1
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         if isinstance(model, DistributedDataParallel) and isinstance(model.module, MPPipeline):
             return model.module.model

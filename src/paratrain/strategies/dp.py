@@ -54,6 +54,9 @@ class DataParallel:
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
+    def pipeline_ranks(self, ctx: Context) -> int:
+        return 1
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
 

@@ -69,6 +69,9 @@ class ModelParallel:
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
+    def pipeline_ranks(self, ctx: Context) -> int:
+        return 1
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.model if isinstance(model, MPPipeline) else model
 

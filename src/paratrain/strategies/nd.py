@@ -195,6 +195,9 @@ class NDStrategy:
             return pipelining.evaluate(model, inputs, targets, loss_fn, ctx.device)
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
+    def pipeline_ranks(self, ctx: Context) -> int:
+        return self.dims(ctx).pp
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         if isinstance(model, _Stages):
             return model.pipe.holds()

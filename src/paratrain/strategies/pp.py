@@ -75,6 +75,9 @@ class Pipeline:
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
+    def pipeline_ranks(self, ctx: Context) -> int:
+        return ctx.placement.world_size
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.holds() if isinstance(model, PipelineModule) else model
 
