@@ -52,7 +52,7 @@ test: setup lint
 
 # pure logic and one-rank tests: the inner loop (about a minute after setup)
 test-quick: setup
-	$(VENV)/bin/pytest -q -m quick
+	$(VENV)/bin/pytest -q -m quick -n 2
 
 test-gpu: setup
 	PARATRAIN_TEST_GPU=1 $(VENV)/bin/pytest -q -m gpu
