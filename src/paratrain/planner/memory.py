@@ -20,8 +20,9 @@ parameters, and a process's resident set does not shrink after freeing.
 
 On a GPU the caching allocator hands freed memory back to the next phase of the step: gradients, freed by
 `zero_grad()` before the forward, and the optimizer's temporary exist when the activations are gone, so the peak
-of a step without accumulation is the larger phase (`phased`), not their sum. On an H200 the sum overstated
-GPT-2 small's and ResNet-50's measured peaks by 15-19%.
+of a step without accumulation is the larger phase (`phased`), not their sum. On an H200 the sum (with GPT's tied
+weight then counted twice) overstated GPT-2 small's and ResNet-50's measured peaks by 15-19%; the larger phase
+is within 1-4% of them (docs/plan.md).
 """
 
 from __future__ import annotations
