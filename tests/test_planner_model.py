@@ -294,16 +294,36 @@ def test_validation_covers_the_named_layouts_and_scores_them_against_a_runner() 
         return validate.Measured(step_s=guess.step_s * (1.1 if layout.strategy == "ddp" else 1.0),
                                  peak_bytes=guess.memory.total * 0.95)
 
-    settings = validate.Settings(workload="chain", batch=8)
+    settings = validate.Settings(workload="chain", batch=8, round_size=2)
     records = validate.run(prof, local, settings, chosen, measure=runner, say=lambda text: None)
-    assert ran == ["single", "ddp 2"]
+    # rounds of two layouts, each opened by single: single, [single, ddp 2], single, [pp (cannot run)]
+    assert ran == ["single", "single", "ddp 2", "single"]
     by = {r["layout"]: r for r in records}
     assert by["pp 2 (interleaved-1f1b, V=2, M=2)"]["status"] == "cannot-run"
     assert by["ddp 2"]["step_error"] == pytest.approx(1 / 1.1 - 1)
     assert by["single"]["memory_error"] == pytest.approx(1 / 0.95 - 1)
+    assert [r["round"] for r in records] == [1, 1, 2]
+    assert by["ddp 2"]["round_single_step_s"] == pytest.approx(predict.predict(prof, chosen[0], local, 8).step_s)
+    assert by["ddp 2"]["relative_step_error"] == pytest.approx(1 / 1.1 - 1)  # single measured as predicted here
     summary = validate.summary(records)
     assert summary["layouts"] == 2 and summary["step_worst_abs_error"] == pytest.approx(1 - 1 / 1.1)
     assert summary["step_rank_correlation"] is None  # two layouts order nothing
+    assert summary["relative_step_worst_abs_error"] == pytest.approx(1 - 1 / 1.1)
+
+    # a machine twice as slow in the second round: absolute errors see the drift, errors against the round's
+    # single do not
+    rounds = {"n": 0}
+
+    def drifting(layout: Layout, cluster: clusters.Cluster, settings: validate.Settings) -> validate.Measured:
+        rounds["n"] += layout.strategy == "single"
+        slow = 2.0 if rounds["n"] > 2 else 1.0
+        return validate.Measured(step_s=predict.predict(prof, layout, cluster, 8).step_s * slow, peak_bytes=1.0)
+
+    two = [x for x in layouts if x.label in ("single", "ddp 2", "fsdp 2")]
+    drifted = validate.run(prof, local, validate.Settings(workload="chain", batch=8, round_size=2), two,
+                           measure=drifting, say=lambda text: None)
+    assert [round(r["step_error"], 6) for r in drifted] == [0.0, 0.0, -0.5]
+    assert [round(r["relative_step_error"], 6) for r in drifted] == [0.0, 0.0, 0.0]
     assert validate.rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert validate.rank_correlation([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
     assert validate.rank_correlation([1, 2, 3, 4, 5], [1, 3, 2, 4, 5]) == pytest.approx(0.9)

@@ -7,10 +7,15 @@ worker's; the reported time is the median over the timed steps, and the peak is 
 (CUDA: allocated bytes; CPU: resident set, which is what the local cluster spec's `process_bytes`
 counts from). `measure_layout` is the one seam to the runner: it can be pointed at `paratrain bench`.
 
+Layouts run in rounds (`Settings.round_size`), each opened by a run of `single`, so each layout's error is also
+read against single as measured in its own round: a machine that drifts between minutes moves a layout and its
+round's single together, and that drift divides out of `relative_step_error`.
+
 `validation.json` is a list of records, one per layout:
 
-    {"layout": "pp 2 (1f1b, M=4)", "predicted_step_s", "measured_step_s", "predicted_peak_bytes",
-     "measured_peak_bytes", "step_error", "memory_error", "status": "ok" | "failed" | "cannot-run", "reason"}
+    {"layout": "pp 2 (1f1b, M=4)", "predicted_step_s", "measured_step_s", "measured_spread_s" (IQR of the timed
+     steps), "predicted_peak_bytes", "measured_peak_bytes", "step_error", "memory_error", "round",
+     "round_single_step_s", "relative_step_error", "status": "ok" | "failed" | "cannot-run", "reason"}
 """
 
 from __future__ import annotations
@@ -78,12 +83,17 @@ class Settings:
     warmup: int = 2
     repeat: int = 2
     timeout_s: float = 600.0
+    round_size: int = 4
+    """Layouts per round; each round first measures `single`, so a layout's error can also be read against the
+    machine as it was in its own round (the development machine drifts by 10-25% between minutes)."""
 
 
 @dataclass
 class Measured:
     step_s: float
     peak_bytes: float
+    spread_s: float = 0.0
+    """Interquartile range of the timed steps."""
 
 
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -138,28 +148,52 @@ def measure_layout(layout: Layout, cluster: Cluster, settings: Settings) -> Meas
     out = launch(worker, layout.setup_kwargs(cluster), settings, layout.grad_accum, nproc=layout.processes,
                  timeout=settings.timeout_s,
                  accelerator="cuda" if cluster.kind == "cuda" else "cpu", prefix_output=False)
-    return Measured(step_s=statistics.median(out["step_times_s"]), peak_bytes=out["peak_bytes"])
+    times = out["step_times_s"]
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return Measured(step_s=statistics.median(times), peak_bytes=out["peak_bytes"],
+                    spread_s=quartiles[2] - quartiles[0])
 
 
 def _error(predicted: float, measured: float | None) -> float | None:
     return None if not measured else predicted / measured - 1
 
 
+def _round_single(profile: Profile, cluster: Cluster, settings: Settings, precision: str,
+                  measure: Callable[[Layout, Cluster, Settings], Measured]) -> tuple[float, float | None]:
+    """(predicted, measured) step of `single`, the yardstick a round's layouts are read against (measured None
+    where it failed: the round's layouts then have no relative error)."""
+    layout = Layout(strategy="single", precision=precision)
+    predicted = predict(profile, layout, cluster, settings.batch, settings.optimizer).step_s
+    try:
+        return predicted, measure(layout, cluster, settings).step_s
+    except ParatrainError:
+        return predicted, None
+
+
 def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[Layout],
         measure: Callable[[Layout, Cluster, Settings], Measured] = measure_layout,
         say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Predict and measure each layout; one record each (see the module docstring)."""
+    """Predict and measure each layout; one record each (see the module docstring). Layouts run in rounds of
+    `settings.round_size`, each opened by a run of `single`: `relative_step_error` compares the layout's speed
+    against single, predicted and measured in its round, so the machine's drift between rounds cancels."""
     if not cluster.measured_here:
         raise ParatrainError(f"--validate runs the layouts on this machine, but cluster {cluster.name!r} describes "
                              "other hardware; use --cluster local (or the cluster-local.json it wrote)")
     records = []
+    yardstick: tuple[float, float | None] = (0.0, None)
     for i, layout in enumerate(layouts, 1):
+        if (i - 1) % max(1, settings.round_size) == 0:
+            yardstick = _round_single(profile, cluster, settings, layout.precision, measure)
+            shown = f"{yardstick[1]:.4f} s" if yardstick[1] else "failed"
+            say(f"round {(i - 1) // max(1, settings.round_size) + 1}: single measured {shown}")
         p = predict(profile, layout, cluster, settings.batch, settings.optimizer)
         record: dict[str, Any] = {"layout": layout.label, **{k: v for k, v in layout.as_dict().items() if k != "label"},
                                   "predicted_step_s": p.step_s or None, "measured_step_s": None,
                                   "predicted_peak_bytes": p.memory.total if p.step_s else None,
                                   "measured_peak_bytes": None, "step_error": None, "memory_error": None,
-                                  "status": "ok", "reason": None}
+                                  "round": (i - 1) // max(1, settings.round_size) + 1,
+                                  "round_single_step_s": yardstick[1], "relative_step_error": None,
+                                  "measured_spread_s": None, "status": "ok", "reason": None}
         if p.reason is not None and not p.reason.startswith("needs"):
             record.update(status="cannot-run", reason=p.reason)
             say(f"[{i}/{len(layouts)}] {layout.label}: cannot run ({p.reason})")
@@ -174,11 +208,16 @@ def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[La
             say(f"[{i}/{len(layouts)}] {layout.label}: failed ({record['reason']})")
             records.append(record)
             continue
-        record.update(measured_step_s=got.step_s, measured_peak_bytes=got.peak_bytes,
-                      step_error=_error(p.step_s, got.step_s), memory_error=_error(p.memory.total, got.peak_bytes))
+        predicted_single, measured_single = yardstick
+        relative = (_error(p.step_s / predicted_single, got.step_s / measured_single)
+                    if measured_single and predicted_single else None)
+        record.update(measured_step_s=got.step_s, measured_peak_bytes=got.peak_bytes, measured_spread_s=got.spread_s,
+                      step_error=_error(p.step_s, got.step_s), memory_error=_error(p.memory.total, got.peak_bytes),
+                      relative_step_error=relative)
+        against = f", {relative:+.1%} against the round's single" if relative is not None else ""
         say(f"[{i}/{len(layouts)}] {layout.label}: predicted {p.step_s:.4f} s, measured {got.step_s:.4f} s "
-            f"({record['step_error']:+.1%}); memory {p.memory.total / 2**20:.0f} / {got.peak_bytes / 2**20:.0f} MiB "
-            f"({record['memory_error']:+.1%})  [{time.monotonic() - start:.0f} s]")
+            f"(IQR {got.spread_s:.4f}; {record['step_error']:+.1%}{against}); memory {p.memory.total / 2**20:.0f} / "
+            f"{got.peak_bytes / 2**20:.0f} MiB ({record['memory_error']:+.1%})  [{time.monotonic() - start:.0f} s]")
         records.append(record)
     return records
 
@@ -193,12 +232,26 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     predicted_best = min(ok, key=lambda r: r["predicted_step_s"])
     order = rank_correlation([r["predicted_step_s"] for r in ok], [r["measured_step_s"] for r in ok])
     measured_best = min(ok, key=lambda r: r["measured_step_s"])
-    return {"layouts": len(ok), "step_median_abs_error": statistics.median(steps), "step_worst_abs_error": max(steps),
-            "memory_median_abs_error": statistics.median(mems), "memory_worst_abs_error": max(mems),
-            "predicted_fastest": predicted_best["layout"], "measured_fastest": measured_best["layout"],
-            "predicted_fastest_vs_measured_fastest":
-                predicted_best["measured_step_s"] / measured_best["measured_step_s"] - 1,
-            "step_rank_correlation": order}
+    out = {"layouts": len(ok), "step_median_abs_error": statistics.median(steps), "step_worst_abs_error": max(steps),
+           "memory_median_abs_error": statistics.median(mems), "memory_worst_abs_error": max(mems),
+           "predicted_fastest": predicted_best["layout"], "measured_fastest": measured_best["layout"],
+           "predicted_fastest_vs_measured_fastest":
+               predicted_best["measured_step_s"] / measured_best["measured_step_s"] - 1,
+           "step_rank_correlation": order}
+    rounded = [r for r in ok if r.get("relative_step_error") is not None]
+    if rounded:  # measured steps as fractions of their round's single: the machine's drift divided out
+        relative = [abs(r["relative_step_error"]) for r in rounded]
+        speed = {r["layout"]: r["measured_step_s"] / r["round_single_step_s"] for r in rounded}
+        fastest = min(rounded, key=lambda r: speed[r["layout"]])
+        picked = min(rounded, key=lambda r: r["predicted_step_s"])
+        out.update(relative_step_median_abs_error=statistics.median(relative),
+                   relative_step_worst_abs_error=max(relative),
+                   relative_rank_correlation=rank_correlation([r["predicted_step_s"] for r in rounded],
+                                                              [speed[r["layout"]] for r in rounded]),
+                   relative_measured_fastest=fastest["layout"],
+                   relative_predicted_fastest_vs_measured_fastest=(
+                       speed[picked["layout"]] / speed[fastest["layout"]] - 1))
+    return out
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -249,6 +302,13 @@ def table(records: list[dict[str, Any]], created: str) -> str:
         lines.append(f"  predicted fastest {s['predicted_fastest']!r} is "
                      f"{s['predicted_fastest_vs_measured_fastest']:+.1%} from the measured fastest "
                      f"{s['measured_fastest']!r} (target within 5%)")
+        if "relative_step_median_abs_error" in s:
+            correlation = s["relative_rank_correlation"]
+            lines.append(f"  against each round's single (the machine's drift divided out): median |error| "
+                         f"{s['relative_step_median_abs_error']:.1%}, worst {s['relative_step_worst_abs_error']:.1%}"
+                         + (f", rank correlation {correlation:.2f}" if correlation is not None else "")
+                         + f"; predicted fastest {s['relative_predicted_fastest_vs_measured_fastest']:+.1%} from "
+                         f"{s['relative_measured_fastest']!r}")
     return "\n".join(lines)
 
 
