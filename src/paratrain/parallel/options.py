@@ -46,18 +46,14 @@ cannot ("Pair is not connected"), and dropout under `pp` draws other masks than 
 trains on silently. 2.12 is untried."""
 
 
-def _torch_release(version: str) -> tuple[int, int]:
-    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 def check_torch_for_pipelining(where: str, version: str | None = None) -> None:
     """Multi-process pipelines refuse a torch older than `PIPELINING_FLOOR`, naming what fails there."""
     import torch
+    from torch.torch_version import TorchVersion
 
     found = version or torch.__version__
-    if _torch_release(found) < PIPELINING_FLOOR:
-        floor = ".".join(map(str, PIPELINING_FLOOR))
+    floor = ".".join(map(str, PIPELINING_FLOOR))
+    if TorchVersion(found) < floor:  # compared as versions (2.9 < 2.13), not as strings
         raise ParatrainError(
             f"{where} trains through torch.distributed.pipelining, which paratrain runs on torch >= {floor}; this is "
             f"torch {found}, under which pipelines fail or train differently from one process (integer tensors "
