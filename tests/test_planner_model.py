@@ -332,7 +332,7 @@ def test_validation_covers_the_named_layouts_and_scores_them_against_a_runner() 
 
 
 def test_gpu_validation_runs_one_worker_per_gpu_and_its_calibration_probes_run_on_any_device() -> None:
-    from paratrain.planner import calibrate_gpu, validate
+    from paratrain.planner import calibrate, calibrate_gpu, validate
 
     one = _cluster(kind="cuda", devices_per_node=1, nodes=1, measured_here=True)
     four = _cluster(kind="cuda", devices_per_node=4, nodes=1, measured_here=True)
@@ -345,7 +345,7 @@ def test_gpu_validation_runs_one_worker_per_gpu_and_its_calibration_probes_run_o
     best, curve = calibrate_gpu.matmul_curve(cpu, torch.float32, sides=(16, 64), repeats=2)
     assert best > 0 and [f for f, _ in curve] == [2.0 * 16**3, 2.0 * 64**3]
     assert max(share for _, share in curve) == 1.0 and all(0 < share <= 1 for _, share in curve)
-    assert calibrate_gpu.memory_bandwidth(cpu, elements=2**16) > 0
+    assert calibrate.memory_bandwidth(cpu, elements=2**16) > 0
 
 
 def test_fsdp_pays_its_measured_cost_per_unit() -> None:

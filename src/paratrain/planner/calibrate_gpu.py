@@ -9,30 +9,15 @@ is none, and with several the `h100-nvlink` preset's links are used and named as
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from .calibrate import best_seconds, framework_overhead, memory_bandwidth
 from .cluster import PRESETS, Cluster, from_spec
 
 DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
 SIDES = (256, 512, 1024, 2048, 4096, 8192)
-
-
-def _seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Best seconds per call of `fn` over `repeats` calls, after a warm-up, the device synchronised."""
-    fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def matmul_curve(device: torch.device, dtype: torch.dtype, sides: tuple[int, ...] = SIDES,
@@ -48,47 +33,9 @@ def matmul_curve(device: torch.device, dtype: torch.dtype, sides: tuple[int, ...
             for _ in range(batch):
                 torch.matmul(a, b)
 
-        rates.append((2.0 * n**3, 2.0 * n**3 * batch / _seconds(products, device, repeats)))
+        rates.append((2.0 * n**3, 2.0 * n**3 * batch / best_seconds(products, device, repeats)))
     best = max(r for _, r in rates)
     return best, [[flops, round(rate / best, 4)] for flops, rate in rates]
-
-
-def memory_bandwidth(device: torch.device, elements: int = 2**26) -> float:
-    """Bytes/s a device-to-device copy moves, counting bytes read and written."""
-    src = torch.ones(elements, device=device)
-    dst = torch.empty_like(src)
-    return 2 * elements * 4 / _seconds(lambda: dst.copy_(src), device, 5)
-
-
-def framework_overhead(device: torch.device, repeats: int = 30) -> float:
-    """Seconds a `run.forward_backward` + prepared optimizer step adds over the bare loop on `device` (tiny
-    model, `single`): where the host runs ahead of the device this hides, and where kernels are small it shows."""
-    import paratrain
-
-    x, y, loss = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device), torch.nn.MSELoss()
-    bare = torch.nn.Linear(8, 8).to(device)
-    opt = torch.optim.SGD(bare.parameters(), lr=1e-3)
-
-    def plain() -> None:
-        loss(bare(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    run = paratrain.setup(strategy="single", accelerator=device.type, timeout_s=60)
-    try:
-        net = torch.nn.Linear(8, 8)
-        model, prepared = run.prepare(net, torch.optim.SGD(net.parameters(), lr=1e-3))
-
-        def wrapped() -> None:
-            run.forward_backward(model, x, y, loss)
-            prepared.step()
-            prepared.zero_grad()
-
-        base = _seconds(plain, device, repeats)
-        through = _seconds(wrapped, device, repeats)
-    finally:
-        run.close()
-    return max(0.0, through - base)
 
 
 def measure(say: Callable[[str], None] = print) -> Cluster:
@@ -111,5 +58,5 @@ def measure(say: Callable[[str], None] = print) -> Cluster:
         peak_flops=peaks, memory=float(total), memory_bandwidth=memory_bandwidth(device),
         intra=links.intra, inter=links.inter,
         efficiency=tuple((x, y) for x, y in curves["bf16"]), overlap=1.0, process_bytes=0.0,
-        reserved=float(total - free), step_overhead=framework_overhead(device), measured_here=True,
+        reserved=float(total - free), step_overhead=framework_overhead(device, 30), measured_here=True,
     )
