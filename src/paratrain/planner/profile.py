@@ -191,21 +191,19 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
     `tp_plan` as `setup(tp_plan=)` takes it (None: the plan tensor parallelism would find)."""
     device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
     sizes = sorted(set(int(s) for s in sizes))
+    largest = sizes[-1]
     with _one_thread(device):
-        x_small, y_small = batch(sizes[0])
+        batches = {b: batch(b) for b in sizes}  # built once: every measurement below reads the same batches
+        x_small, y_small = batches[sizes[0]]
         layers = layers_of(model, x_small)  # traced with the batch as its one positional input, as `prepare` does
         modules = [apply_autocast(m, precision, device.type) for _, m in layers]
-        measured: dict[int, list[LayerTimes]] = {}
-        for b in sizes:
-            x, y = batch(b)
-            measured[b] = _chain(modules, x, y, loss_fn, repeats)
+        measured: dict[int, list[LayerTimes]] = {b: _chain(modules, *batches[b], loss_fn, repeats) for b in sizes}
         flops = _count(modules, x_small, y_small, loss_fn)
         split = tensor_profile.measure(model, x_small, [n for n, _ in layers], tp_plan)
-        largest = sizes[-1]
         stepped = apply_autocast(model, precision, device.type)
-        wholes = {b: _whole_step(stepped, *batch(b), loss_fn, repeats, device)
+        wholes = {b: _whole_step(stepped, *batches[b], loss_fn, repeats, device)
                   for b in (sizes if device.type == "cuda" else [largest])}
-        saved = _saved_in_chain(modules, *batch(largest), loss_fn)
+        saved = _saved_in_chain(modules, *batches[largest], loss_fn)
         opt = _optimizer_seconds(model, optimizer, repeats, device)
     median = statistics.median
     seconds_at = {b: [(median(t.forwards), median(t.backwards)) for t in measured[b]] for b in sizes}
@@ -235,8 +233,10 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
             tp_forward_reduces=tuple(tp.forward), tp_backward_reduces=tuple(tp.backward),
             shared_params=sum(n for _, n in tied), shared_with=tuple(sorted({owner for owner, _ in tied})),
         ))
-    return Profile(
-        name=name, layers=costs, sample_bytes=(nbytes(x) + nbytes(y)) / largest, source="measured",
-        precision=precision, optimizer=optimizer, optimizer_s_per_param=opt / max(1, sum(c.params for c in costs)),
-        step_overhead_s=max(0.0, whole - parts), tp_width=split.width, tp_note=split.note,
+    profile = Profile(
+        name=name, layers=costs, sample_bytes=nbytes(batches[largest]) / largest, source="measured",
+        precision=precision, optimizer=optimizer, step_overhead_s=max(0.0, whole - parts), tp_width=split.width,
+        tp_note=split.note,
     )
+    profile.optimizer_s_per_param = opt / max(1, profile.params)  # the step updated each distinct parameter once
+    return profile
