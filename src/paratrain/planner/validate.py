@@ -158,16 +158,14 @@ def _error(predicted: float, measured: float | None) -> float | None:
     return None if not measured else predicted / measured - 1
 
 
-def _round_single(profile: Profile, cluster: Cluster, settings: Settings, precision: str,
-                  measure: Callable[[Layout, Cluster, Settings], Measured]) -> tuple[float, float | None]:
-    """(predicted, measured) step of `single`, the yardstick a round's layouts are read against (measured None
-    where it failed: the round's layouts then have no relative error)."""
-    layout = Layout(strategy="single", precision=precision)
-    predicted = predict(profile, layout, cluster, settings.batch, settings.optimizer).step_s
+def _measured_single(precision: str, cluster: Cluster, settings: Settings,
+                     measure: Callable[[Layout, Cluster, Settings], Measured]) -> float | None:
+    """`single` measured now, the yardstick of a round (None where it failed: the round's layouts then have no
+    relative error)."""
     try:
-        return predicted, measure(layout, cluster, settings).step_s
+        return measure(Layout(strategy="single", precision=precision), cluster, settings).step_s
     except ParatrainError:
-        return predicted, None
+        return None
 
 
 def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[Layout],
@@ -180,19 +178,23 @@ def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[La
         raise ParatrainError(f"--validate runs the layouts on this machine, but cluster {cluster.name!r} describes "
                              "other hardware; use --cluster local (or the cluster-local.json it wrote)")
     records = []
-    yardstick: tuple[float, float | None] = (0.0, None)
+    predicted_single = {x: predict(profile, Layout(strategy="single", precision=x), cluster, settings.batch,
+                                   settings.optimizer).step_s for x in {layout.precision for layout in layouts}}
+    measured_single: float | None = None
+    per_round = max(1, settings.round_size)
     for i, layout in enumerate(layouts, 1):
-        if (i - 1) % max(1, settings.round_size) == 0:
-            yardstick = _round_single(profile, cluster, settings, layout.precision, measure)
-            shown = f"{yardstick[1]:.4f} s" if yardstick[1] else "failed"
-            say(f"round {(i - 1) // max(1, settings.round_size) + 1}: single measured {shown}")
+        round_number = (i - 1) // per_round + 1
+        if (i - 1) % per_round == 0:
+            measured_single = _measured_single(layout.precision, cluster, settings, measure)
+            shown = f"{measured_single:.4f} s" if measured_single else "failed"
+            say(f"round {round_number}: single measured {shown}")
         p = predict(profile, layout, cluster, settings.batch, settings.optimizer)
         record: dict[str, Any] = {"layout": layout.label, **{k: v for k, v in layout.as_dict().items() if k != "label"},
                                   "predicted_step_s": p.step_s or None, "measured_step_s": None,
                                   "predicted_peak_bytes": p.memory.total if p.step_s else None,
                                   "measured_peak_bytes": None, "step_error": None, "memory_error": None,
-                                  "round": (i - 1) // max(1, settings.round_size) + 1,
-                                  "round_single_step_s": yardstick[1], "relative_step_error": None,
+                                  "round": round_number,
+                                  "round_single_step_s": measured_single, "relative_step_error": None,
                                   "measured_spread_s": None, "status": "ok", "reason": None}
         if p.reason is not None and not p.reason.startswith("needs"):
             record.update(status="cannot-run", reason=p.reason)
@@ -208,9 +210,8 @@ def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[La
             say(f"[{i}/{len(layouts)}] {layout.label}: failed ({record['reason']})")
             records.append(record)
             continue
-        predicted_single, measured_single = yardstick
-        relative = (_error(p.step_s / predicted_single, got.step_s / measured_single)
-                    if measured_single and predicted_single else None)
+        single = predicted_single[layout.precision]
+        relative = _error(p.step_s / single, got.step_s / measured_single) if measured_single and single else None
         record.update(measured_step_s=got.step_s, measured_peak_bytes=got.peak_bytes, measured_spread_s=got.spread_s,
                       step_error=_error(p.step_s, got.step_s), memory_error=_error(p.memory.total, got.peak_bytes),
                       relative_step_error=relative)
