@@ -12,7 +12,7 @@ from paratrain.config import make_config
 from paratrain.measure import workloads
 from paratrain.parallel.dims import dims_for
 from paratrain.planner import cluster as clusters
-from paratrain.planner import comm, predict, search, transformer
+from paratrain.planner import comm, costs, predict, search, transformer
 from paratrain.planner.costs import LayerCost, Profile
 from paratrain.planner.layout import Layout
 from paratrain.planner.profile import measure
@@ -58,7 +58,7 @@ def test_the_profile_finds_what_a_plan_splits_in_each_layer() -> None:
     tied = cfg_model.head.proj.weight.numel()
     assert (head.shared_params, head.shared_with) == (tied, (embed.name,))
     assert prof.params == sum(p.numel() for p in cfg_model.parameters())  # distinct parameters
-    assert predict.tensor_params([head], 1)[0] == head.params
+    assert costs.tensor_params([head], 1)[0] == head.params
     # a block's backward counted once (its two gradient passes apart would count its inner products twice):
     # the layers add up to one whole step's count
     x, y = gpt.data(2)

@@ -14,6 +14,7 @@ call of that size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -64,6 +65,20 @@ class LayerCost:
         return out
 
 
+def tensor_params(layers: Sequence[LayerCost], tp: int = 1) -> tuple[float, float]:
+    """(parameters, bytes) one tensor rank holds of `layers`: a weight tied between two of them once."""
+    names = {x.name for x in layers}
+    params = held = 0.0
+    for x in layers:
+        if not x.params:
+            continue
+        tied = x.shared_params if names.intersection(x.shared_with) else 0
+        mine = (x.params - x.tp_params * (1 - 1 / tp)) * (1 - tied / x.params)
+        params += mine
+        held += mine * x.param_bytes / x.params
+    return params, held
+
+
 @dataclass(kw_only=True)
 class Profile:
     """A model as the planner sees it."""
@@ -91,12 +106,11 @@ class Profile:
     @property
     def params(self) -> int:
         """Distinct parameters (a tied weight once)."""
-        return sum(layer.params - layer.shared_params for layer in self.layers)
+        return round(tensor_params(self.layers)[0])
 
     @property
     def param_bytes(self) -> int:
-        return sum(round(layer.param_bytes * (1 - layer.shared_params / layer.params)) if layer.params else 0
-                   for layer in self.layers)
+        return round(tensor_params(self.layers)[1])
 
     def flops_per_sample(self) -> float:
         return sum(layer.flops_fwd + layer.flops_bwd for layer in self.layers)

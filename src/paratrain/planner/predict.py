@@ -169,20 +169,6 @@ def _tensor_times(profile: Profile, b: int, cluster: Cluster, layout: Layout) ->
     return out, comm
 
 
-def tensor_params(layers: list[costs.LayerCost], tp: int) -> tuple[float, float]:
-    """(parameters, bytes) one tensor rank holds of `layers`: a weight tied between two of them once."""
-    names = {x.name for x in layers}
-    params = held = 0.0
-    for x in layers:
-        if not x.params:
-            continue
-        tied = x.shared_params if names.intersection(x.shared_with) else 0
-        mine = (x.params - x.tp_params * (1 - 1 / tp)) * (1 - tied / x.params)
-        params += mine
-        held += mine * x.param_bytes / x.params
-    return params, held
-
-
 def _tensor_activations(layers: list[costs.LayerCost], tp: int) -> float:
     """Saved bytes per sample on one tensor rank (the split share of each layer's activations divides by tp)."""
     shares = [x.tp_share if x.tp_activation_share is None else x.tp_activation_share for x in layers]
@@ -194,7 +180,7 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
     b = batch // (dp * accum)
     lt, tp_comm = _tensor_times(profile, b, cluster, layout)
     fwd, bwd = [t.forward for t in lt], [t.backward for t in lt]
-    unit = [tensor_params([layer], tp)[1] for layer in profile.layers]
+    unit = [costs.tensor_params([layer], tp)[1] for layer in profile.layers]
     group = pipeline_groups(cluster, dp, 1, tp)[0]
     reduce = lambda kind: (lambda n: collective_time(cluster, kind, n, group))  # noqa: E731
     if sharded:
@@ -211,7 +197,7 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
         alpha, beta = cluster.fsdp_unit
         call += sum(alpha + beta * n for n in unit if n)
     overhead = accum * (call + (_loss_reduce(cluster, layout) if layout.devices > 1 else 0.0))
-    params, held = tensor_params(profile.layers, tp)
+    params, held = costs.tensor_params(profile.layers, tp)
     opt = costs.optimizer_time(profile, params / (dp if sharded else 1), cluster, optimizer)
     step = body + overhead + opt
     mem = memory.model_state(held, params, optimizer, dp if sharded else 1)
@@ -259,7 +245,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     rank_params = [0.0] * pp
     rank_bytes = [0.0] * pp
     for s, count in enumerate(balance):
-        params, held = tensor_params(profile.layers[starts[s] : starts[s] + count], tp)
+        params, held = costs.tensor_params(profile.layers[starts[s] : starts[s] + count], tp)
         rank_params[where[s]] += params
         rank_bytes[where[s]] += held
     grads = max(collective_time(cluster, "all_reduce", n, dp_group) for n in rank_bytes) if dp > 1 else 0.0
@@ -275,7 +261,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
     mem.data = profile.sample_bytes * batch / dp
     if cluster.kind == "cpu":  # the balance's trial run of the whole model stays resident (see memory.py)
-        build = tensor_params(profile.layers, tp)[1] + memory.activations(_tensor_activations(profile.layers, tp),
+        build = costs.tensor_params(profile.layers, tp)[1] + memory.activations(_tensor_activations(profile.layers, tp),
                                                          max(x.output_bytes for x in profile.layers), b)
         mem.retained = max(0.0, build - mem.activations - mem.grads)
     return Prediction(layout, step_s=_shared_cores(step, work, cluster, layout), compute_s=max(run.busy),

@@ -22,10 +22,10 @@ from dataclasses import replace
 
 from ..parallel.pipeline.schedules import NAMES, row
 from .cluster import Cluster
-from .costs import Profile
+from .costs import Profile, tensor_params
 from .layout import STRATEGIES, Layout
 from .memory import model_state
-from .predict import Prediction, capacity, predict, tensor_params
+from .predict import Prediction, capacity, predict
 
 PIPELINE_SCHEDULES = NAMES
 MAX_STAGES_PER_WORKER = 4
