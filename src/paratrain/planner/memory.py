@@ -58,6 +58,11 @@ class Memory:
     """Activations and (gradients + the optimizer's temporary) are never held at once (see the module docstring)."""
 
     @property
+    def state(self) -> float:
+        """Parameters, gradients and optimizer state, the step's temporary included: what no batch size shrinks."""
+        return self.params + self.grads + self.optimizer + self.temporary
+
+    @property
     def total(self) -> float:
         held = self.params + self.optimizer + self.buffers + self.data + self.process + self.retained
         if self.phased:

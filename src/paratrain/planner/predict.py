@@ -119,9 +119,8 @@ def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, opti
     needed, available = out.memory.total + cluster.reserved, capacity(cluster, layout)
     if available and needed > available:
         out.fits = False
-        state = out.memory.params + out.memory.grads + out.memory.optimizer + out.memory.temporary
         out.reason = (f"needs {needed / GIB:.1f} GiB per worker, {available / GIB:.1f} GiB available "
-                      f"(parameters+gradients+optimizer {state / GIB:.1f}, "
+                      f"(parameters+gradients+optimizer {out.memory.state / GIB:.1f}, "
                       f"activations {out.memory.activations / GIB:.1f})")
     out.samples_per_s = batch / out.step_s if out.step_s else 0.0
     out.tokens_per_s = out.samples_per_s * profile.tokens_per_sample

@@ -46,8 +46,8 @@ def _powers(low: int, high: int) -> Iterator[int]:
 
 def _state_too_big(profile: Profile, cluster: Cluster, layout: Layout, optimizer: str,
                    params_share: float) -> str | None:
-    state = model_state(profile.param_bytes * params_share, profile.params * params_share, optimizer)
-    needed = state.params + state.grads + state.optimizer + state.temporary + cluster.process_bytes + cluster.reserved
+    held = model_state(profile.param_bytes * params_share, profile.params * params_share, optimizer)
+    needed = held.state + cluster.process_bytes + cluster.reserved
     available = capacity(cluster, layout)
     if available and needed > available:
         return (f"parameters, gradients and optimizer state alone need {needed / 2**30:.1f} GiB per worker, "
