@@ -114,8 +114,7 @@ def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, opti
     else:
         out = _data_parallel(profile, layout, cluster, batch, optimizer)
     out.memory.process = cluster.process_bytes
-    out.memory.phased = cluster.kind == "cuda" and layout.grad_accum == 1 and not (layout.scheduled or
-                                                                                   layout.strategy == "mp")
+    out.memory.phased = cluster.kind == "cuda" and layout.grad_accum == 1 and not layout.pipelined
     needed, available = out.memory.total + cluster.reserved, capacity(cluster, layout)
     if available and needed > available:
         out.fits = False
