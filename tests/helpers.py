@@ -21,6 +21,15 @@ CLI_WARM_MODULES = "torch,torch._dynamo,torch.distributed.pipelining,paratrain"
 these, started only if it launches: fewer modules than the suite's own template, so it starts in seconds."""
 
 
+TWO_CORES = {
+    "name": "two-cores", "kind": "cpu", "devices_per_node": 2, "nodes": 1,
+    "device": {"peak_tflops": {"32": 0.08, "bf16": 0.08, "16": 0.08}, "memory_gib": 8, "memory_bandwidth_gbps": 6},
+    "intra_node": {"bandwidth_gbps": 1.8, "latency_us": 420}, "efficiency": [[6.5e4, 0.18], [1e9, 0.5]],
+    "overlap": 0.0, "process_gib": 0.6, "action_overhead_us": 1300, "step_overhead_us": 40, "measured_here": True,
+}
+"""A spec shaped like the one `--cluster local` measures on a 2-core machine, so the test skips the measuring."""
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """This environment for a launched command, less any cluster's (the suite run inside a Slurm job or a pod
     must not make `paratrain run` join that job)."""

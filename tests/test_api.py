@@ -22,13 +22,13 @@ def test_per_worker_batch_names_the_arithmetic() -> None:
     run.close()
 
 
-def test_strategy_auto_says_what_it_chose_and_how_to_have_layouts_ranked(capsys: pytest.CaptureFixture[str]) -> None:
+def test_strategy_auto_says_what_it_chose(capsys: pytest.CaptureFixture[str]) -> None:
+    """One process: `single`, said at setup (several: tests/test_auto_strategy.py)."""
     run = paratrain.setup()
     assert run.strategy.name == "single"
     run.close()
     lines = [line for line in capsys.readouterr().out.splitlines() if "strategy auto" in line]
-    assert lines == ["paratrain: strategy auto -> single (1 process(es)); to have the layouts for your model ranked "
-                     "and timed: paratrain bench --plan --model module:factory"]
+    assert lines == ["paratrain: strategy auto -> single (1 process)"]
     paratrain.setup(strategy="single").close()
     assert "strategy auto" not in capsys.readouterr().out
 

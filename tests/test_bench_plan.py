@@ -9,21 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import paratrain
+from helpers import TWO_CORES, paratrain
 
 from paratrain.bench import jobs, planned, schema
 from paratrain.bench_plan import _bench_runs, _choice
 from paratrain.cli import main as cli_main
 from paratrain.planner.layout import Layout
 from paratrain.planner.predict import Prediction
-
-TWO_CORES = {
-    "name": "two-cores", "kind": "cpu", "devices_per_node": 2, "nodes": 1,
-    "device": {"peak_tflops": {"32": 0.08, "bf16": 0.08, "16": 0.08}, "memory_gib": 8, "memory_bandwidth_gbps": 6},
-    "intra_node": {"bandwidth_gbps": 1.8, "latency_us": 420}, "efficiency": [[6.5e4, 0.18], [1e9, 0.5]],
-    "overlap": 0.0, "process_gib": 0.6, "action_overhead_us": 1300, "step_overhead_us": 40, "measured_here": True,
-}
-"""A spec shaped like the one `--cluster local` measures on a 2-core machine, so the test skips the measuring."""
 
 
 def _settings() -> jobs.Settings:

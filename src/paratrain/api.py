@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import dataclasses
 import functools
 import logging
 import random
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import checkpoint, collectives, grad_clip, runtime, strategies
-from .config import Config, make_config
+from .config import Config, make_config, validate
 from .data import ShardedLoader, claim_weight
 from .data.plan import ONE, Weight
 from .errors import ParatrainError
@@ -37,7 +38,8 @@ from .strategies.base import Context, LossFn, Strategy
 class Run:
     """One process's view of a training job; made by `paratrain.setup`."""
 
-    def __init__(self, config: Config, strategy: Strategy, ctx: Context, watch: Watch, stop: StopRequest) -> None:
+    def __init__(self, config: Config, strategy: Strategy, ctx: Context, watch: Watch, stop: StopRequest,
+                 auto: bool = False) -> None:
         self.config = config
         self.strategy = strategy
         self.ctx = ctx
@@ -49,6 +51,10 @@ class Run:
         self._saves = 0
         self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
         """Training loaders: the batch the latest one yielded sets how much the next micro-step's loss counts."""
+        self._sharded: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
+        """Every prepared loader (evaluation ones too): re-shared if strategy="auto" switches layout."""
+        self._auto = auto
+        """strategy="auto" on several processes, not chosen yet: `prepare` asks the planner (given an example)."""
         self._joining = False
         self._optimizers: list[torch.optim.Optimizer] = []
         """The prepared optimizers, whose fp16 gradients clip_grad_norm_ unscales first."""
@@ -107,8 +113,11 @@ class Run:
         and point the optimizer at its parameters; returns (model, optimizer), or the model alone.
 
         `example` is one batch of model inputs: pipelines need it to trace a model that is not an
-        nn.Sequential and to measure layers for balance="time"/"memory"."""
+        nn.Sequential and to measure layers for balance="time"/"memory"; with strategy="auto" on several
+        processes the planner measures the model on it and picks the layout (docs/plan.md)."""
         activate(self.step.state)  # this run's micro-step state, whatever another run in the process did
+        if self._auto:
+            self._choose_layout(model, optimizer, example)
         before = dict(model.named_parameters())
         apply_layout_dropout(model)
         checkpointing, compiling = self.config.activation_checkpointing, self.config.compile
@@ -132,6 +141,60 @@ class Run:
         self._optimizers.append(optimizer)
         return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase)
 
+    def _choose_layout(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, example: Any) -> None:
+        """strategy="auto": rank 0 asks the planner, every rank switches to its answer (one broadcast)."""
+        self._auto = False
+        if example is None:
+            self.print(f"paratrain: strategy auto -> {self.strategy.name} ({self.world_size} processes); to have the "
+                       "planner choose the layout, give run.prepare(model, optimizer, example=batch)")
+            return
+        from .planner import choose
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            placement = self.ctx.placement
+            try:
+                picked = choose.plan(
+                    model, example, optimizer, world=self.world_size,
+                    nodes=max(1, self.world_size // max(1, placement.local_world_size)),
+                    global_batch=self._global_batch or choose.rows(example) * self.world_size,
+                    precision=self.config.precision, grad_accum=self.config.grad_accum,
+                    pipelines=self.config.auto_pipelines, device=self.device,
+                    accepts=self._refusal, say=self.print)
+                box[0] = (picked.setup, picked.line)
+            except Exception as e:  # ddp is right for every model: fall back to it, saying why
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                box[0] = (None, f"paratrain: strategy auto -> {self.strategy.name} ({self.world_size} processes; the "
+                                f"planner could not plan this model: {first})")
+        collectives.broadcast_objects(box)
+        options, line = box[0]
+        if options is not None:
+            self._switch(options)
+        self.print(line)
+
+    def _layout(self, options: Mapping[str, Any]) -> tuple[Config, Strategy, Context]:
+        config = validate(dataclasses.replace(self.config, **options))
+        strategy = strategies.get(config.strategy)
+        ctx = dataclasses.replace(self.ctx, config=config)
+        strategy.check(ctx)
+        return config, strategy, ctx
+
+    def _refusal(self, options: Mapping[str, Any]) -> str | None:
+        try:
+            self._layout(options)
+        except ParatrainError as e:
+            return str(e)
+        return None
+
+    def _switch(self, options: Mapping[str, Any]) -> None:
+        """Become the chosen layout: before any model is wrapped, with loaders re-shared to the same global batch."""
+        self.config, self.strategy, self.ctx = self._layout(options)
+        self.step.sync_with(self.strategy.set_gradient_sync)
+        replica, replicas = self.strategy.data_shard(self.ctx)
+        self._metrics.ranks_per_replica = self.world_size // replicas
+        for loader in self._sharded:
+            loader.relayout(replica, replicas, self.strategy.scheduled)
+
     def prepare_loader(self, loader: DataLoader, *, evaluation: bool = False) -> ShardedLoader:
         """Shard `loader` over data-parallel replicas (its batch_size is per worker), honouring its sampler and
         loading options or refusing them by name. With evaluation=True each sample goes to exactly one rank and
@@ -140,6 +203,7 @@ class Run:
         prepared = ShardedLoader(loader, replica, replicas, self.config.seed, evaluation=evaluation,
                                  grad_accum=self.config.grad_accum, equal_shares=self.strategy.scheduled,
                                  device=self.device)
+        self._sharded.add(prepared)
         prepared.timing = self.timing
         prepared.step_state = self.step.state  # its batches set this run's rows for the dropout masks
         if not evaluation:
@@ -364,10 +428,9 @@ def setup(**kwargs: Any) -> Run:
     atexit.register(watch.stop)  # before the process group goes (atexit runs last-registered first)
     stop = StopRequest(grace_s=timeout)
     stop.install()
-    run = Run(config, strategy, ctx, watch, stop)
-    if auto:
-        run.print(f"paratrain: strategy auto -> {config.strategy} ({placement.world_size} process(es)); to have "
-                  "the layouts for your model ranked and timed: paratrain bench --plan --model module:factory")
+    run = Run(config, strategy, ctx, watch, stop, auto=auto and placement.world_size > 1)
+    if auto and placement.world_size == 1:
+        run.print("paratrain: strategy auto -> single (1 process)")
     _seed(config.seed)
     set_seed(config.seed, run.step.state)
     activate(run.step.state)

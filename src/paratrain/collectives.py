@@ -60,6 +60,12 @@ def settle() -> None:
             wait()
 
 
+def broadcast_objects(box: list) -> None:
+    """Rank 0's picklable objects into `box` on every rank (within the process group's timeout)."""
+    if active():
+        dist.broadcast_object_list(box, src=0)
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

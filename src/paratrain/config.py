@@ -33,7 +33,11 @@ BALANCE_MODES: tuple[str, ...] = get_args(BalanceMode)
 class Config:
     strategy: StrategyName | str = "auto"
     """single, dp, ddp, fsdp, mp, pp, ddp+pp or ddp+mp, or an N-D set such as "fsdp+tp" (any '+'-joined set of
-    ddp, fsdp, tp, pp; parallel/dims.py); "auto" is single for one process, ddp for several."""
+    ddp, fsdp, tp, pp; parallel/dims.py); "auto" is single for one process, and for several ddp, or the
+    planner's fastest layout for this world when `run.prepare` is given an example batch (docs/plan.md)."""
+    auto_pipelines: bool = False
+    """strategy="auto" also weighs pipeline layouts (pp, ddp+pp, tp+pp): the loop must step with
+    `run.forward_backward`, since a pipeline cannot run a loop that calls `model(x)` and `run.backward` itself."""
     precision: Precision = "32"
     """"32", "bf16" (autocast) or "16" (autocast with a GradScaler)."""
     accelerator: Accelerator = "auto"

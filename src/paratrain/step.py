@@ -41,6 +41,10 @@ class Step:
         self.state = StepState()
         """What this run's micro-step in flight knows (dropout position, deferred BatchNorm, pending reductions)."""
 
+    def sync_with(self, set_sync: Callable[[nn.Module, bool], None]) -> None:
+        """Arm another strategy's gradient sync (`strategy="auto"` switches strategy before any model is armed)."""
+        self._set_sync = set_sync
+
     @property
     def at_boundary(self) -> bool:
         """True when the micro-steps so far fill whole accumulation windows (the optimizer may step)."""

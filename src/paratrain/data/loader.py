@@ -72,6 +72,28 @@ class ShardedLoader:
                 "and pass the plain DataLoader to the loop"
             )
 
+    def relayout(self, replica: int, replicas: int, equal_shares: bool) -> None:
+        """Share the same global batch over another replica count: `strategy="auto"` chooses the layout in
+        `prepare`, after a script may have prepared its loaders for the provisional one."""
+        if self._inner is not None or self.consumed or self.epoch:
+            raise ParatrainError(
+                "strategy='auto' chose its layout after this loader was iterated; call run.prepare(model, "
+                "optimizer, example=batch) before the first batch, or name the strategy"
+            )
+        if self.batch_size is not None:
+            total = self.batch_size * self.replicas
+            if total % replicas:
+                raise ParatrainError(
+                    f"the global batch {total} cannot be split over the {replicas} data-parallel replica(s) of the "
+                    f"layout strategy='auto' chose; use a global batch that is a multiple of {replicas}"
+                )
+            self.batch_size = total // replicas
+        self.order = read_order(self.loader, self.seed, replicas)
+        self.layout = Layout(replica, replicas, self.layout.grad_accum, equal_shares)
+        self.replica, self.replicas = replica, replicas
+        self._drawn = None
+        self._plan()
+
     @property
     def dataset(self) -> Any:
         return self.loader.dataset
