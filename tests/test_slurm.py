@@ -95,8 +95,9 @@ def _one_job(folder: Path, world: int) -> None:
 
 
 def test_srun_one_task_per_worker(slurm_env: dict, job: str, tmp_path: Path, plain_weights: dict) -> None:
-    _srun(job, slurm_env, tmp_path, "-N2", "-n4", sys.executable, str(TRAIN))
-    _one_job(tmp_path, 4)
+    # one task per node: two tasks per node, and so local ranks, are the next test's (and test_runtime's)
+    _srun(job, slurm_env, tmp_path, "-N2", "-n2", sys.executable, str(TRAIN))
+    _one_job(tmp_path, 2)
     assert max_diff(torch.load(tmp_path / "weights.pt"), plain_weights) < 1e-6
 
 
