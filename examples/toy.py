@@ -60,8 +60,11 @@ def main() -> None:
             total += loss.detach().cpu()
         mean = run.all_reduce(total / len(loader), op="mean")
         run.print(f"epoch {epoch} loss {mean.item():.6f}")
-    if args.save_weights and run.is_main:
-        torch.save({k: v.cpu() for k, v in run.unwrap(model).state_dict().items()}, args.save_weights)
+    if args.save_weights:  # every rank: sharded weights (fsdp, tp) are gathered whole, which is collective
+        state = run.unwrap(model).state_dict()
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in state.items()}
+        if run.is_main:  # under a pipeline, rank 0 holds the first stage
+            torch.save(state, args.save_weights)
     run.close()
 
 if __name__ == "__main__":
