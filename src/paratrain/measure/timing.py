@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,3 +47,18 @@ def time_steps(step: Callable[[], object], count: int, devices: list[torch.devic
     if _multi():
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     return [float(t) for t in stats[:-1]], float(stats[-1])
+
+
+def best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Best seconds per call of `fn` over `repeats` calls after a warm-up, the device synchronised (a GPU's work
+    counts, not only its launch): one process, no collective. The fastest, since a busy machine only ever slows
+    a call down (the planner's probes and its profile's whole step and optimizer step)."""
+    fn()
+    _sync([device])
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync([device])
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..measure.timing import best_seconds
 from ..memstats import resident_bytes
 from .cluster import GIB, Cluster, Link
 from .comm import COLLECTIVES, fit
@@ -179,21 +180,6 @@ def _matmul_curve(repeats: int = 3) -> tuple[float, list[list[float]]]:
             rates.append((2.0 * n**3, 2.0 * n**3 / seconds))
     best = max(r for _, r in rates)
     return best, [[flops, round(rate / best, 4)] for flops, rate in rates]
-
-
-def best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Best seconds per call of `fn` over `repeats` calls after a warm-up, the device synchronised (a GPU's work
-    counts, not only its launch)."""
-    fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
-    sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def framework_overhead(device: torch.device, repeats: int = 20) -> float:

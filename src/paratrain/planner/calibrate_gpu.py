@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from .calibrate import best_seconds, framework_overhead, memory_bandwidth
+from ..measure.timing import best_seconds
+from .calibrate import framework_overhead, memory_bandwidth
 from .cluster import PRESETS, Cluster, from_spec
 
 DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}

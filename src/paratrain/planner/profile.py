@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._tree import map_tensors, nbytes
+from ..measure.timing import best_seconds
 from ..parallel.pipeline.balance import LayerTimes, time_layers
 from ..parallel.pipeline.memory import ActivationMeter, param_bytes
 from ..parallel.pipeline.partition import layers_of
@@ -57,11 +57,6 @@ def _inputs_of(value: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_tensors(lambda t: found.append(t) if t.requires_grad else None, value)
     return found
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -124,16 +119,7 @@ def _whole_step(model: nn.Module, x: Any, y: Any, loss_fn: nn.Module, repeats: i
     """The fastest of `repeats` steps: a busy machine only ever slows a step down, and one slow step of three
     (a median's share) read as the model's own overhead added 0.24 s to every layout that runs the whole model
     (the 0.31 s GPT step of the `gpt` workload on 2 cores), enough to rank a pipeline above `ddp`."""
-    times = []
-    for rep in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
-        loss = loss_fn(_call(model, x), y)
-        loss.backward()
-        _sync(device)
-        if rep > 0:
-            times.append(time.perf_counter() - start)
-    return min(times)
+    return best_seconds(lambda: loss_fn(_call(model, x), y).backward(), device, repeats)
 
 
 def _saved_in_chain(modules: list[nn.Module], x: Any, y: Any, loss_fn: nn.Module) -> list[int]:
@@ -178,15 +164,7 @@ def _optimizer_seconds(model: nn.Module, name: str, repeats: int, device: torch.
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     opt = _optimizer(name, params)
-    times = []
-    for rep in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
-        opt.step()
-        _sync(device)
-        if rep > 0:
-            times.append(time.perf_counter() - start)
-    return min(times)
+    return best_seconds(opt.step, device, repeats)
 
 
 def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[int], *, name: str,
