@@ -127,13 +127,15 @@ def _guard():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
-    leaked = _children() - before - template_pids()
+    from helpers import kept_template_pids
+
+    leaked = _children() - before - template_pids() - kept_template_pids()
     if leaked:
         import signal
         import time
 
         time.sleep(1.0)
-        leaked = _children() - before - template_pids()
+        leaked = _children() - before - template_pids() - kept_template_pids()
         for pid in leaked:
             try:
                 os.kill(pid, signal.SIGKILL)

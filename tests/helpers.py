@@ -32,12 +32,36 @@ TWO_CORES = {
 
 def cli_env(**extra: str) -> dict[str, str]:
     """This environment for a launched command, less any cluster's (the suite run inside a Slurm job or a pod
-    must not make `paratrain run` join that job)."""
+    must not make `paratrain run` join that job). Its `paratrain run` workers fork from the template this test
+    process keeps (`kept_template`), unless `extra` names the warm modules itself (a run's own template, or
+    none: spawned workers)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
     env["PARATRAIN_WARM_WORKERS"] = CLI_WARM_MODULES
+    if "PARATRAIN_WARM_WORKERS" not in extra:
+        env["PARATRAIN_WARM_TEMPLATE"] = kept_template()
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
+
+
+_KEPT: list[Any] = []
+
+
+def kept_template() -> str:
+    """The socket of one `paratrain run` template for this test process (launcher/_warm_run.keep): each CLI run
+    would otherwise start its own, importing torch and dynamo again (6.5 s of CPU a run)."""
+    if not _KEPT:
+        import atexit
+
+        from paratrain.launcher import _warm_run
+
+        _KEPT.append(_warm_run.keep(tuple(CLI_WARM_MODULES.split(","))))
+        atexit.register(_KEPT[0].close)
+    return str(_KEPT[0].path)
+
+
+def kept_template_pids() -> set[int]:
+    return {kept.proc.pid for kept in _KEPT if kept.proc.poll() is None}
 
 
 def run_cmd(args: list[str], timeout: float = 120, env: dict[str, str] | None = None,

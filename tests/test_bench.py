@@ -413,6 +413,15 @@ def test_a_failing_model_is_reported_failed_with_its_error(tmp_path: Path) -> No
     assert "configuration(s) failed" in proc.stdout
 
 
+def _bench_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`paratrain bench ARGS` run by the CLI's own entry point in this test process: its workers fork from the
+    process's warm template, where the command would first start a template of its own (6.5 s of CPU); the
+    end-to-end test above runs the command itself."""
+    capsys.readouterr()
+    code = cli_main(["bench", *args])
+    return code, capsys.readouterr().out
+
+
 def _env(path: Path) -> dict[str, str]:
     import os
 
@@ -422,16 +431,16 @@ def _env(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.procs
-def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
+def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The tiny gpt on single, ddp, pp (2 micro-batches) and tp, 2 CPU workers: valid results.json with the
     counted FLOPs and each worker's measured peak; every ok run has tokens/s and an MFU in (0, 1]; the
     references, the data-parallel and the tensor-parallel runs are ok (tp trains the same steps as ddp: the same
     final loss); paratrain's pp is ok or carries its reason. (torch-pipeline,
     beside mp, runs the same hand cut in one process; test_hand_cut_gpt_keeps_the_tied_weight_exact covers it.)"""
     out = tmp_path / "bench"
-    proc = paratrain("bench", "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp,tp",
-                     "--workers", "2", "--microbatches", "2", "--steps", "2", "--repeat", "1", "--warmup", "0",
-                     "--timeout", "150", "--out", str(out), timeout=240)
+    code, stdout = _bench_here(capsys, "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp,tp",
+                               "--workers", "2", "--microbatches", "2", "--steps", "2", "--repeat", "1", "--warmup",
+                               "0", "--timeout", "150", "--out", str(out))
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
     cfg = gpt.SIZES["tiny"]
@@ -452,21 +461,21 @@ def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path) -> None:
             assert run["tokens_per_s"] == pytest.approx(run["samples_per_s"] * cfg.seq, rel=1e-3)
         else:
             assert key[0] == "pp" and run["reason"], run  # only paratrain's pipeline may not split a GPT yet
-    assert proc.returncode == (1 if any(r["status"] == "failed" for r in runs.values()) else 0), proc.stdout[-4000:]
-    assert "model FLOPs:" in proc.stdout and "| tokens/s | MFU |" in (out / "table.md").read_text()
+    assert code == (1 if any(r["status"] == "failed" for r in runs.values()) else 0), stdout[-4000:]
+    assert "model FLOPs:" in stdout and "| tokens/s | MFU |" in (out / "table.md").read_text()
     _png(out / "throughput.png")
 
 
 @pytest.mark.procs
-def test_bench_times_comm_hooks_and_schedule_auto(tmp_path: Path) -> None:
+def test_bench_times_comm_hooks_and_schedule_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """ddp with torch's settings, comm_hook=auto and bf16 side by side, and pp with schedule=auto: each
     measured, each paratrain run reporting its final loss (the lossy one's effect is visible)."""
     out = tmp_path / "bench"
-    proc = paratrain("bench", "--workload", "mlp-wide", "--strategies", "ddp,pp", "--workers", "2",
-                     "--comm-hook", "none,auto,bf16", "--schedule", "auto", "--microbatches", "2",
-                     "--batch-size", "8", "--steps", "1", "--repeat", "1", "--warmup", "1", "--no-reference",
-                     "--out", str(out), timeout=200)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    code, stdout = _bench_here(capsys, "--workload", "mlp-wide", "--strategies", "ddp,pp", "--workers", "2",
+                               "--comm-hook", "none,auto,bf16", "--schedule", "auto", "--microbatches", "2",
+                               "--batch-size", "8", "--steps", "1", "--repeat", "1", "--warmup", "1",
+                               "--no-reference", "--out", str(out))
+    assert code == 0, stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
     runs = {(r["strategy"], r["options"].get("comm_hook"), r["schedule"]): r for r in results["runs"]}
@@ -477,20 +486,21 @@ def test_bench_times_comm_hooks_and_schedule_auto(tmp_path: Path) -> None:
     exact, lossy = runs[("ddp", None, None)]["final_loss"], runs[("ddp", "bf16", None)]["final_loss"]
     assert runs[("ddp", "auto", None)]["final_loss"] == pytest.approx(exact, abs=1e-6)  # exact settings only
     assert lossy == pytest.approx(exact, rel=1e-2)
-    assert "comm_hook auto ->" in proc.stdout and "schedule auto ->" in proc.stdout
+    assert "comm_hook auto ->" in stdout and "schedule auto ->" in stdout
 
 
 @pytest.mark.procs
-def test_tp_pp_is_timed_beside_torchtitans_order_written_by_hand(tmp_path: Path) -> None:
+def test_tp_pp_is_timed_beside_torchtitans_order_written_by_hand(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """tp+pp on 4 CPU workers (tp 2 x pp 2) beside torch-tp-pp (parallelize_module, then two PipelineStages over
     the mesh's "pp" dimension and torch's 1F1B) with 2 micro-batches: both run, are paired, and paratrain's trains
     the same step as one process (the same final loss, to the float noise of sums split over tensor ranks); the
     schedule's bound counts the 2 pipeline ranks, not the 4 workers."""
     out = tmp_path / "bench"
-    proc = paratrain("bench", "--workload", "mlp", "--batch-size", "64", "--strategies", "tp+pp", "--workers", "4",
-                     "--microbatches", "2", "--schedule", "1f1b", "--steps", "1", "--repeat", "1", "--warmup", "0",
-                     "--timeout", "150", "--out", str(out), timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    code, stdout = _bench_here(capsys, "--workload", "mlp", "--batch-size", "64", "--strategies", "tp+pp",
+                               "--workers", "4", "--microbatches", "2", "--schedule", "1f1b", "--steps", "1",
+                               "--repeat", "1", "--warmup", "0", "--timeout", "150", "--out", str(out))
+    assert code == 0, stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
     runs = {(r["strategy"], r["workers"], r["microbatches"]): r for r in results["runs"]}

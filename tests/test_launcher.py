@@ -51,7 +51,7 @@ def test_two_nodes_on_loopback(tmp_path: Path, plain_weights: dict) -> None:
     procs = [
         subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", *common, "--node-rank", str(rank), TOY,
                           "--save-weights", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
+                         text=True, start_new_session=True, env=cli_env())
         for rank in (0, 1)
     ]
     try:

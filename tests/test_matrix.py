@@ -1,4 +1,5 @@
-"""The correctness matrix: every zoo model x every strategy layout x micro-batches 1 and 4, fed through
+"""The correctness matrix: every zoo model x every strategy layout x micro-batches 1 and 4 (4 only for the
+interleaved and zero-bubble schedules and ddp+mp: matrix_cells.LAYOUTS), fed through
 paratrain's loader with a short last batch (split unevenly over data-parallel replicas: 5 rows as 3 and 2)
 and an evaluation pass. Each cell either trains like the plain-PyTorch reference (losses and
 weights at every step, within the case's fp32 tolerance) or is refused by a ParatrainError that names the
@@ -256,8 +257,9 @@ def check_column(layout: str) -> None:
     """Every cell of one layout matches the reference or is refused as matrix_refused.txt says."""
     spec = BY_NAME[layout]
     cells = cells_of(layout)
-    if spec.nproc == 1:
-        outcomes = [run_column(cells)]
+    if spec.nproc == 1 and spec.microbatches == (None,):
+        outcomes = [run_column(cells)]  # nothing to trace: in this process (`mp`, one process too, traces every
+        # model: its worker forks from the template that holds the traces, rather than loading them all here)
     else:
         outcomes = paratrain.launch(run_column, cells, nproc=spec.nproc, timeout=840, all_ranks=True,
                                     accelerator="cpu")

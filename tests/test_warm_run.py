@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, cli_env, paratrain
+from helpers import ROOT, cli_env, kept_template, paratrain
 
 from paratrain.launcher import _warm_run
 
@@ -36,11 +36,13 @@ if rank == 1 and os.environ.get("HOW") == "kill":
 """
 
 
-def _run(tmp: Path, how: str = "") -> subprocess.CompletedProcess[str]:
+def _run(tmp: Path, how: str = "", kept: bool = False) -> subprocess.CompletedProcess[str]:
     script = tmp / "job" / "job.py"
     script.parent.mkdir(exist_ok=True)
     script.write_text(SCRIPT)
     env = cli_env(PARATRAIN_WARM_WORKERS="torch", HOW=how, MINE="x")
+    if kept:  # forked from the test process's template (helpers.kept_template) instead of one of the run's own
+        env["PARATRAIN_WARM_TEMPLATE"] = kept_template()
     return paratrain("run", "--nproc", "2", str(script), "a", "--b", timeout=90, env=env)
 
 
@@ -56,10 +58,10 @@ def test_a_forked_worker_is_the_process_the_agent_would_have_spawned(tmp_path: P
                                    f"cwd {ROOT} mine x" for r in (0, 1)], warm.stdout[-2000:]
     assert "no warm worker" not in warm.stdout
     # a failing rank is reported as a spawned one is: sys.exit's status, an exception's traceback from the
-    # script's own frames, a signal
+    # script's own frames, a signal (forked from a kept template: the same fork, without a template per run)
     for how, said in (("exit", "exited with code 3"), ("raise", 'job.py", line 14, in <module>'),
                       ("kill", "ended by signal SIGKILL")):
-        warm = _run(tmp_path, how)
+        warm = _run(tmp_path, how, kept=True)
         assert warm.returncode == 1 and said in warm.stdout, f"{how}:\n{warm.stdout[-3000:]}"
         assert "_warm_run.py" not in warm.stdout and "runpy" not in warm.stdout
 
@@ -123,3 +125,24 @@ def test_a_client_without_its_template_starts_the_script_as_a_new_process(tmp_pa
                          capture_output=True, timeout=30)
     assert res.returncode == 4 and "hello ['x']" in res.stdout
     assert "no warm worker" in res.stderr and "as a new process" in res.stderr
+
+
+@pytest.mark.timeout(180)
+def test_runs_fork_from_a_template_their_caller_keeps_and_leave_it_as_they_found_it(tmp_path: Path) -> None:
+    """PARATRAIN_WARM_TEMPLATE: every run's workers are forks of the caller's template (one import for many
+    runs), a run does not end it, and what one run's worker changes is not in the next run's."""
+    script = tmp_path / "job.py"
+    script.write_text("import json, os\nprint('parent', os.getppid(), 'marked', hasattr(json, 'MARK'), flush=True)\n"
+                      "json.MARK = 1\n")
+    kept = _warm_run.keep(("json",))
+    try:
+        env = cli_env(PARATRAIN_WARM_WORKERS="", PARATRAIN_WARM_TEMPLATE=kept.path)
+        for nproc in (2, 1):
+            res = paratrain("run", "--nproc", str(nproc), str(script), timeout=90, env=env)
+            assert res.returncode == 0, res.stdout[-2000:]
+            lines = [line for line in res.stdout.splitlines() if line.startswith("parent ")]
+            assert lines == [f"parent {kept.proc.pid} marked False"] * nproc, res.stdout[-2000:]
+            assert kept.proc.poll() is None, "a run ended its caller's template"
+    finally:
+        kept.close()
+    assert kept.proc.poll() is not None and not os.path.exists(kept.folder)

@@ -26,6 +26,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,11 @@ CLIENT = str(Path(__file__).with_name("_warm_client.py"))
 """The agent's entry point for each worker (run by path, so it imports neither paratrain nor torch)."""
 
 SOCKET_VARIABLE = "PARATRAIN_WARM_SOCKET"
+
+KEPT_VARIABLE = "PARATRAIN_WARM_TEMPLATE"
+"""The socket of a template that the caller keeps running (`keep`): a test suite or a job that starts many short
+runs then pays the template's imports once, not once per run. Each run's workers are still new forks, so
+nothing one run changes reaches the next."""
 
 
 class WarmRun:
@@ -71,8 +77,36 @@ class WarmRun:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start(modules: tuple[str, ...]) -> WarmRun | None:
+class _Kept:
+    """A run's view of a template kept by its caller: the caller, not the run, ends it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def close(self) -> None:
+        pass
+
+
+def start(modules: tuple[str, ...]) -> WarmRun | _Kept | None:
+    """The template this run's workers fork from: the caller's (PARATRAIN_WARM_TEMPLATE, if its socket is
+    there; a client that still cannot reach it starts its script as a new process), else one of its own."""
+    kept = os.environ.get(KEPT_VARIABLE, "")
+    if kept and _is_socket(kept):
+        return _Kept(kept)
     return WarmRun(modules) if modules else None
+
+
+def keep(modules: tuple[str, ...]) -> WarmRun:
+    """A template for many runs: pass `PARATRAIN_WARM_TEMPLATE=<.path>` to each `paratrain run`; it ends when
+    `.close()` is called or the calling process exits."""
+    return WarmRun(modules)
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
