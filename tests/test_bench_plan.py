@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import TWO_CORES, paratrain
+from helpers import TWO_CORES
 
 from paratrain.bench import jobs, planned, schema
 from paratrain.bench_plan import _bench_runs, _choice
@@ -99,13 +99,18 @@ def test_bad_plan_flags_fail_fast_naming_the_fix(tmp_path: Path, capsys: pytest.
 
 
 @pytest.mark.procs
-def test_bench_plan_measures_single_and_the_top_layouts_end_to_end(tmp_path: Path) -> None:
+def test_bench_plan_measures_single_and_the_top_layouts_end_to_end(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Run by the CLI's entry point in this test process (its workers fork from the process's warm template;
+    tests/test_bench.py runs the command itself end to end)."""
     spec, out = tmp_path / "two.json", tmp_path / "bench"
     spec.write_text(json.dumps(TWO_CORES))
-    proc = paratrain("bench", "--plan", "--top", "2", "--cluster", str(spec), "--workload", "toy", "--workers", "2",
+    capsys.readouterr()
+    code = cli_main(["bench", "--plan", "--top", "2", "--cluster", str(spec), "--workload", "toy", "--workers", "2",
                      "--batch-size", "16", "--steps", "1", "--repeat", "1", "--warmup", "0", "--no-reference",
-                     "--out", str(out), timeout=200)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+                     "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
     plan = results["plan"]
@@ -122,4 +127,4 @@ def test_bench_plan_measures_single_and_the_top_layouts_end_to_end(tmp_path: Pat
     assert len(measured) == 3
     assert plan["predicted_fastest"] == min(rows, key=lambda r: r["predicted_step_s"])["layout"]
     assert plan["measured_fastest"] == min(rows, key=lambda r: r["measured_step_s"])["layout"]
-    assert "predicted beside measured" in proc.stdout and "the planner's pick" in proc.stdout
+    assert "predicted beside measured" in stdout and "the planner's pick" in stdout

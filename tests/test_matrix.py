@@ -1,5 +1,5 @@
 """The correctness matrix: every zoo model x every strategy layout x micro-batches 1 and 4 (4 only for the
-interleaved and zero-bubble schedules and ddp+mp: matrix_cells.LAYOUTS), fed through
+interleaved and zero-bubble schedules, ddp+pp and ddp+mp: matrix_cells.LAYOUTS), fed through
 paratrain's loader with a short last batch (split unevenly over data-parallel replicas: 5 rows as 3 and 2)
 and an evaluation pass. Each cell either trains like the plain-PyTorch reference (losses and
 weights at every step, within the case's fp32 tolerance) or is refused by a ParatrainError that names the

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CLI_WARM_MODULES, ROOT, cli_env, doc_block, max_diff, plain_example_toy, run_cmd
+from helpers import ROOT, cli_env, doc_block, max_diff, plain_example_toy, run_cmd
 
 SLURM_UP = ROOT / "tests" / "cluster" / "slurm_up.sh"
 TRAIN = ROOT / "tests" / "cluster" / "train.py"
@@ -40,9 +40,9 @@ def slurm_env() -> dict[str, str]:
         pytest.skip(f"no Slurm cluster can be started here: {reason}")  # one line: pytest -rs shows one
     assert res.returncode == 0, f"{SLURM_UP} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
     conf = res.stdout.strip().splitlines()[-1]
-    # each `paratrain run` starts its own warm template, inside the job step Slurm started, as a user's would
-    return cli_env(SLURM_CONF=conf, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
-                   PARATRAIN_WARM_WORKERS=CLI_WARM_MODULES)
+    # srun passes the environment on: each `paratrain run` in a job step forks its workers from the template this
+    # test process keeps (helpers.kept_template); the agents, their rendezvous and the node flags are Slurm's
+    return cli_env(SLURM_CONF=conf, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
 
 
 @pytest.fixture
