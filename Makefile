@@ -34,10 +34,6 @@ $(STAMP): pyproject.toml constraints.txt
 	@# The bytecode most processes need, compiled now on all cores: otherwise the suite's first processes, started
 	@# together, each compile torch (and the sympy that torch.export uses) before any of them has written it.
 	$(PY) -m compileall -q -j 0 $(addprefix "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/,torch torchvision sympy) > /dev/null || true
-	@# and the bytecode of the parts of transformers and peft that the zoo's workers import (15 s, once), which
-	@# the suite's first processes would otherwise each compile side by side
-	$(PY) -c "import transformers.models.gpt2.modeling_gpt2, transformers.models.llama.modeling_llama, \
-	  transformers.models.bert.modeling_bert, peft" 2> /dev/null || true
 	@# torch is imported (it must load); the extras are only found: importing peft alone takes 15 s of one core
 	$(PY) -c "import importlib.util as u, sys, paratrain, torch; gone = [m for m in ('matplotlib', 'pytest', \
 	  'kubernetes', 'transformers', 'peft', 'yaml', 'tensorboard', 'tqdm') if u.find_spec(m) is None]; \
