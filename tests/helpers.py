@@ -64,6 +64,17 @@ def kept_template_pids() -> set[int]:
     return {kept.proc.pid for kept in _KEPT if kept.proc.poll() is None}
 
 
+def bench_here(capsys: Any, *args: str) -> tuple[int, str]:
+    """`paratrain bench ARGS` run by the CLI's own entry point in this test process (capsys: pytest's fixture):
+    its workers fork from the process's warm template, where the command would first start a template of its own
+    (6.5 s of CPU); tests/test_bench.py runs the command itself end to end. Returns the exit code and stdout."""
+    from paratrain.cli import main
+
+    capsys.readouterr()
+    code = main(["bench", *args])
+    return code, capsys.readouterr().out
+
+
 def run_cmd(args: list[str], timeout: float = 120, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run a command to completion (killing its whole process group on timeout)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import paratrain
+from helpers import bench_here, paratrain
 from torch import nn
 
 from paratrain import ParatrainError, strategies
@@ -413,15 +413,6 @@ def test_a_failing_model_is_reported_failed_with_its_error(tmp_path: Path) -> No
     assert "configuration(s) failed" in proc.stdout
 
 
-def _bench_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """`paratrain bench ARGS` run by the CLI's own entry point in this test process: its workers fork from the
-    process's warm template, where the command would first start a template of its own (6.5 s of CPU); the
-    end-to-end test above runs the command itself."""
-    capsys.readouterr()
-    code = cli_main(["bench", *args])
-    return code, capsys.readouterr().out
-
-
 def _env(path: Path) -> dict[str, str]:
     import os
 
@@ -438,9 +429,9 @@ def test_bench_gpt_end_to_end_with_tokens_and_mfu(tmp_path: Path, capsys: pytest
     final loss); paratrain's pp is ok or carries its reason. (torch-pipeline,
     beside mp, runs the same hand cut in one process; test_hand_cut_gpt_keeps_the_tied_weight_exact covers it.)"""
     out = tmp_path / "bench"
-    code, stdout = _bench_here(capsys, "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp,tp",
-                               "--workers", "2", "--microbatches", "2", "--steps", "2", "--repeat", "1", "--warmup",
-                               "0", "--timeout", "150", "--out", str(out))
+    code, stdout = bench_here(capsys, "--workload", "gpt", "--gpt-size", "tiny", "--strategies", "single,ddp,pp,tp",
+                              "--workers", "2", "--microbatches", "2", "--steps", "2", "--repeat", "1", "--warmup",
+                              "0", "--timeout", "150", "--out", str(out))
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
     cfg = gpt.SIZES["tiny"]
@@ -471,10 +462,10 @@ def test_bench_times_comm_hooks_and_schedule_auto(tmp_path: Path, capsys: pytest
     """ddp with torch's settings, comm_hook=auto and bf16 side by side, and pp with schedule=auto: each
     measured, each paratrain run reporting its final loss (the lossy one's effect is visible)."""
     out = tmp_path / "bench"
-    code, stdout = _bench_here(capsys, "--workload", "mlp-wide", "--strategies", "ddp,pp", "--workers", "2",
-                               "--comm-hook", "none,auto,bf16", "--schedule", "auto", "--microbatches", "2",
-                               "--batch-size", "8", "--steps", "1", "--repeat", "1", "--warmup", "1",
-                               "--no-reference", "--out", str(out))
+    code, stdout = bench_here(capsys, "--workload", "mlp-wide", "--strategies", "ddp,pp", "--workers", "2",
+                              "--comm-hook", "none,auto,bf16", "--schedule", "auto", "--microbatches", "2",
+                              "--batch-size", "8", "--steps", "1", "--repeat", "1", "--warmup", "1",
+                              "--no-reference", "--out", str(out))
     assert code == 0, stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
@@ -497,9 +488,9 @@ def test_tp_pp_is_timed_beside_torchtitans_order_written_by_hand(tmp_path: Path,
     the same step as one process (the same final loss, to the float noise of sums split over tensor ranks); the
     schedule's bound counts the 2 pipeline ranks, not the 4 workers."""
     out = tmp_path / "bench"
-    code, stdout = _bench_here(capsys, "--workload", "mlp", "--batch-size", "64", "--strategies", "tp+pp",
-                               "--workers", "4", "--microbatches", "2", "--schedule", "1f1b", "--steps", "1",
-                               "--repeat", "1", "--warmup", "0", "--timeout", "150", "--out", str(out))
+    code, stdout = bench_here(capsys, "--workload", "mlp", "--batch-size", "64", "--strategies", "tp+pp",
+                              "--workers", "4", "--microbatches", "2", "--schedule", "1f1b", "--steps", "1",
+                              "--repeat", "1", "--warmup", "0", "--timeout", "150", "--out", str(out))
     assert code == 0, stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import TWO_CORES
+from helpers import TWO_CORES, bench_here
 
 from paratrain.bench import jobs, planned, schema
 from paratrain.bench_plan import _bench_runs, _choice
@@ -101,15 +101,11 @@ def test_bad_plan_flags_fail_fast_naming_the_fix(tmp_path: Path, capsys: pytest.
 @pytest.mark.procs
 def test_bench_plan_measures_single_and_the_top_layouts_end_to_end(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """Run by the CLI's entry point in this test process (its workers fork from the process's warm template;
-    tests/test_bench.py runs the command itself end to end)."""
     spec, out = tmp_path / "two.json", tmp_path / "bench"
     spec.write_text(json.dumps(TWO_CORES))
-    capsys.readouterr()
-    code = cli_main(["bench", "--plan", "--top", "2", "--cluster", str(spec), "--workload", "toy", "--workers", "2",
-                     "--batch-size", "16", "--steps", "1", "--repeat", "1", "--warmup", "0", "--no-reference",
-                     "--out", str(out)])
-    stdout = capsys.readouterr().out
+    code, stdout = bench_here(capsys, "--plan", "--top", "2", "--cluster", str(spec), "--workload", "toy", "--workers",
+                              "2", "--batch-size", "16", "--steps", "1", "--repeat", "1", "--warmup", "0",
+                              "--no-reference", "--out", str(out))
     assert code == 0, stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
     schema.validate(results)
