@@ -38,6 +38,8 @@ class Layout:
     microbatches: tuple[int | None, ...] = (None,)
     models: tuple[str, ...] | None = None
     """The zoo models this column runs (None: every one); tensor parallelism is for the transformers."""
+    extras: tuple[str, ...] = ("clip", "loop", "ac")
+    """The feature cells the column adds to its plain ones (`clip`, `loop`, activation checkpointing `ac`)."""
     sizes: tuple[int, ...] = (8, 8, 4)
     """Rows of the global batches: two full ones and a short last one (an epoch's tail). Data-parallel layouts
     end on one that does not split evenly over the replicas; pipelines split a batch into equal micro-batches."""
@@ -70,6 +72,14 @@ LAYOUTS = [
     Layout("ddp+tp", "ddp+tp", 4, {"tp_size": 2}, models=TRANSFORMERS, sizes=UNEVEN),
     # pipelines of tensor-parallel stages; the transformers tensor parallelism refuses are refused before any
     # pipeline is built (the tp column holds them), so the column trains the one it shards
+    # FSDP over pipeline stages (split, then each stage one FSDP2 unit over the replicas that hold it): the
+    # transformers large-model training runs this way, GPT's head tied to its embedding across the two stages
+    Layout("fsdp+pp", "fsdp+pp", 4, {"schedule": "1f1b", **PINNED}, (4,), models=("gpt", "llama", "hf_llama"),
+           sizes=(16, 16, 8)),
+    # the three axes on one mesh, 8 workers on this machine's cores: the plain cell and the global-norm clip only
+    # (the loop and recomputation cells of the fsdp+pp and tp+pp columns cover what this one would add)
+    Layout("fsdp+tp+pp", "fsdp+tp+pp", 8, {"tp_size": 2, "schedule": "1f1b", **PINNED}, (2,), models=("hf_llama",),
+           extras=("clip",), sizes=(16, 16, 8)),
     Layout("tp+pp", "tp+pp", 4, {"tp_size": 2, "schedule": "1f1b", **PINNED}, (2,), models=("hf_llama",)),
 ]
 BY_NAME = {layout.name: layout for layout in LAYOUTS}

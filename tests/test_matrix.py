@@ -137,10 +137,13 @@ def cells_of(layout: str) -> list[Cell]:
     first = BY_NAME[layout].microbatches[-1]  # pipelines: M=4, several micro-batches per stage
     clipped = [m for m in CLIP_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
     recomputed = [m for m in AC_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
+    looped = clipped if "loop" in column.extras else []
+    clipped = clipped if "clip" in column.extras else []
+    recomputed = recomputed if "ac" in column.extras else []
     compiled = [m for m in [COMPILE_MODELS.get(layout)] if m in models]
     mode = ("selective", "full")[[c.name for c in LAYOUTS].index(layout) % 2]  # zero-bubble: full
     return (cells + [Cell(model, layout, first, clip=True) for model in clipped]
-            + [Cell(model, layout, first, loop=True) for model in clipped]
+            + [Cell(model, layout, first, loop=True) for model in looped]
             + [Cell(model, layout, first, checkpointing=mode) for model in recomputed]
             + [Cell(model, layout, first, compiled=True) for model in compiled])
 
@@ -206,6 +209,15 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
         local, whole = [w["local"] for w in where], where[0]["whole"]
         if sum(local) != whole or max(local) >= whole:
             problems.append(f"FSDP ranks hold {local} of {whole} parameter elements: not sharded")
+    if "pp" in axes and "fsdp" in axes:  # each stage sharded over the ranks that hold it
+        by_stage: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for w in where:
+            by_stage.setdefault(tuple(w["names"]), []).append(w)
+        tp = 2 if "tp" in axes else 1  # tensor-parallel ranks of a stage share its unsharded-by-tp elements
+        for names, ranks in by_stage.items():
+            local, whole, tp_whole = [w["local"] for w in ranks], ranks[0]["whole"], ranks[0]["tp_whole"]
+            if len(ranks) < 2 or sum(local) != tp_whole + tp * (whole - tp_whole) or max(local) >= whole:
+                problems.append(f"the stage holding {names[0]}..: ranks hold {local} of {whole} elements: not sharded")
     if "pp" in axes:
         held = {tuple(w["names"]) for w in where}
         every = set().union(*held)
@@ -213,13 +225,13 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
             problems.append(f"pipeline ranks hold {len(held)} distinct parameter sets (want 2 stages, each a part)")
     if "tp" in axes:
         # tensor-sharded weights: 1/tp on each rank, and 1/(dp x tp) under FSDP, which shards the rest too
-        parts = 4 if strategy == "fsdp+tp" else 2
+        parts = 4 if "fsdp" in axes else 2
         for i, w in enumerate(where):
             if not w["tp_whole"] or w["tp_local"] * parts != w["tp_whole"]:
                 problems.append(f"rank {i} holds {w['tp_local']} of {w['tp_whole']} tensor-sharded elements "
                                 f"(want 1/{parts})")
             rest_local, rest_whole = w["local"] - w["tp_local"], w["whole"] - w["tp_whole"]
-            if strategy == "fsdp+tp" and not rest_local < rest_whole:
+            if "fsdp" in axes and not rest_local < rest_whole:
                 problems.append(f"rank {i} holds {rest_local} of {rest_whole} other elements: not sharded")
     if strategy in ("mp", "ddp+mp"):
         for i, w in enumerate(where):
@@ -228,8 +240,8 @@ def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b", "ddp+tp"),
-          ("pp-gpipe", "pp-interleaved", "pp-zero-bubble", "ddp+pp", "tp", "fsdp+tp", "tp+pp"))
+HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b", "ddp+tp", "fsdp+pp"),
+          ("pp-gpipe", "pp-interleaved", "pp-zero-bubble", "ddp+pp", "tp", "fsdp+tp", "tp+pp", "fsdp+tp+pp"))
 """The columns in two halves of about equal time, one class each, so that `pytest -n N --dist loadscope` (make
 test) runs them on two workers side by side."""
 assert sorted(HALVES[0] + HALVES[1]) == sorted(layout.name for layout in LAYOUTS)

@@ -46,18 +46,32 @@ def test_impossible_degrees_are_refused_with_the_arithmetic(name: str, world: in
     assert said in str(err.value)
 
 
-def test_pipelines_of_tensor_parallel_stages_are_checked_fsdp_over_stages_refused() -> None:
+def test_pipelines_of_tensor_parallel_and_sharded_stages_are_checked() -> None:
     from helpers import check_job
 
     check_job("tp+pp", 4, tp_size=2, microbatches=4)  # accepted: pipelines of tensor-parallel stages
     check_job("ddp+tp+pp", 8, tp_size=2, pp_size=2, microbatches=4)
-    for name in ("fsdp+tp+pp", "fsdp+pp"):
-        with pytest.raises(ParatrainError, match="FSDP over pipeline stages") as err:
-            check_job(name, 8, pp_size=2)
-        assert f"'{name.replace('fsdp', 'ddp')}'" in str(err.value)  # the layout to use instead
+    check_job("fsdp+pp", 4, microbatches=4)  # and of FSDP-sharded ones (matrix columns fsdp+pp, fsdp+tp+pp)
+    check_job("fsdp+tp+pp", 8, tp_size=2, microbatches=4)
+    check_job("ddp+fsdp+pp", 8, dp_replicate=2, microbatches=4)
     with pytest.raises(ParatrainError, match="precision='16'"):  # what every pipeline checks
         check_job("tp+pp", 4, tp_size=2, microbatches=4, precision="16")
     assert strategies.get("tp+pp").microbatched and not strategies.get("fsdp+tp").microbatched
+
+
+def test_a_tie_between_two_stages_of_one_rank_is_refused_under_fsdp() -> None:
+    """A V schedule puts the first and the last stage on one rank: an embedding tied to the head would be one
+    Parameter in two FSDP units, which torch cannot shard; refused with the fix before anything is sharded."""
+    from paratrain.parallel.pipeline.partition import Stage
+    from paratrain.parallel.pipeline.sharded import _check_ties
+
+    emb, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    first, last = Stage([("emb", emb)], index=0), Stage([("head", head)], index=3)
+    _check_ties([first, Stage([("mid", nn.Linear(4, 4))], index=1)])  # one stage each: nothing to refuse
+    with pytest.raises(ParatrainError, match="tied between stages 0 and 3") as err:
+        _check_ties([first, last])
+    assert "stages_per_worker=1" in str(err.value)
 
 
 def test_ranks_lie_tensor_innermost_and_replicas_load_their_own_rows() -> None:

@@ -8,12 +8,13 @@ stopped (Adam's tolerance: weights within 1e-4 of their movement, since Adam tur
 near-zero gradients into lr-sized steps), which takes every param-group option (lr, betas, eps, weight
 decay) and the scheduler's next factor to hold.
 
-The pipeline layouts cut the model differently (4 stages as 2 per worker under pp, 2 stages under ddp+pp,
-2 stages of tensor-parallel DTensor shards under tp+pp), so a move between them changes the split and the
-tensor degree; world sizes run 1, 2 and 4, so every pair also changes the world size or the strategy; fsdp+tp
-holds DTensors on a 2-D mesh. Layouts left out load and save through the same paths: `ddp`, `mp` and `ddp+mp`
-keep the whole model in each process and write what `single` writes (rank 0's copy), `tp` is a 1-D case of
-fsdp+tp's tensor dimension.
+The pipeline layouts cut the model differently (4 stages as 2 per worker under pp, 2 stages of FSDP shards under
+fsdp+pp, 2 stages of tensor-parallel DTensor shards under tp+pp), so a move between them changes the split, the
+sharding and the tensor degree; world sizes run 1, 2 and 4, so every pair also changes the world size or the
+strategy; fsdp+tp holds DTensors on a 2-D mesh. Layouts left out load and save through the same paths: `ddp`,
+`mp` and `ddp+mp` keep the whole model in each process and write what `single` writes (rank 0's copy), `ddp+pp`
+writes through DCP as `pp` does (DCP keeps one copy of what replicas share), `tp` is a 1-D case of fsdp+tp's
+tensor dimension.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ LAYOUTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "single": ("single", 1, {}),
     "fsdp": ("fsdp", 2, {}),
     "pp-4-stages": ("pp", 2, {"schedule": "interleaved-1f1b", "stages_per_worker": 2, "balance": "equal"}),
-    "ddp+pp": ("ddp+pp", 4, {"schedule": "gpipe", "balance": "equal"}),
+    "fsdp+pp": ("fsdp+pp", 4, {"schedule": "gpipe", "balance": "equal"}),
     "fsdp+tp": ("fsdp+tp", 4, {"tp_size": 2}),
     "tp+pp": ("tp+pp", 4, {"tp_size": 2, "schedule": "gpipe", "balance": "equal"}),
 }

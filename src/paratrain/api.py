@@ -118,7 +118,7 @@ class Run:
         activate(self.step.state)  # this run's micro-step state, whatever another run in the process did
         if self._auto:
             self._choose_layout(model, optimizer, example)
-        before = dict(model.named_parameters())
+        before = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
         apply_layout_dropout(model)
         checkpointing, compiling = self.config.activation_checkpointing, self.config.compile
         if not self.strategy.microbatched:  # per block, before sharding (torchtitan's order)

@@ -16,7 +16,8 @@ from ..parallel.dims import is_grammar, parse
 from .cluster import Cluster
 
 TENSOR = ("tp", "ddp+tp", "fsdp+tp", "tp+pp", "ddp+tp+pp")
-"""The tensor-parallel layouts the planner predicts (FSDP over pipeline stages is refused by the engine)."""
+"""The tensor-parallel layouts the planner predicts (FSDP over pipeline stages, fsdp+pp and fsdp+tp+pp, trains
+but is not predicted yet)."""
 STRATEGIES = ("single", "ddp", "fsdp", "pp", "ddp+pp", "mp", *TENSOR)
 
 

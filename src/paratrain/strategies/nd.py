@@ -14,8 +14,8 @@ then shard each stage): the traced stages call the sharded layers themselves (`p
 "pp" group of the mesh runs one schedule, and replicas ("dp_replicate") average their stages' gradients when a
 window ends (`ddp+pp`: DDP itself cannot wrap a stage, since torch's pipeline stages drive DDP's reducer by hand,
 which fails its bucket rebuild after the first step with several micro-batches, and a zero-bubble weight backward
-bypasses its hooks). FSDP over pipeline stages is refused: a traced stage reads its weights in its
-graph and never calls the blocks' forwards, where FSDP gathers its shards.
+bypasses its hooks). With `fsdp` beside `pp`, each stage becomes one FSDP2 unit over the ranks holding it
+(`parallel.pipeline.sharded`); torch's PipelineStage drives its gradient reduction.
 
     "tp+pp", world 4:      stage 0 on ranks {0, 1} (tp group), stage 1 on {2, 3};  pp groups {0, 2}, {1, 3}
 """
@@ -110,12 +110,6 @@ class NDStrategy:
                         dp_replicate=cfg.dp_replicate)
 
     def check(self, ctx: Context) -> None:
-        if "pp" in self.axes and "fsdp" in self.axes:
-            raise ParatrainError(
-                f"strategy {self.name!r}: FSDP over pipeline stages is not built: a traced stage reads its weights "
-                "in its graph and never calls the blocks' forwards, where FSDP gathers its shards; use "
-                f"{'+'.join(a.replace('fsdp', 'ddp') for a in self.axes)!r} (replicas instead of shards), or "
-                "'fsdp+tp' without a pipeline")
         dims = self.dims(ctx)
         if dims.pp > 1:
             check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
@@ -153,14 +147,22 @@ class NDStrategy:
                 per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
                 balance=cfg.balance, example=example, group=mesh.get_group("pp"), strategy=self.name,
                 batchnorm=cfg.batchnorm, checkpointing=cfg.activation_checkpointing, compiling=cfg.compiling,
-                tp_plan=plan if dims.tp > 1 else None)
-            return _Stages(pipe, mesh["dp_replicate"].get_group(), dims.dp_replicate)
+                tp_plan=plan if dims.tp > 1 else None, shard_mesh=self._shard_mesh(dims, mesh),
+                precision=cfg.precision)
+            # HSDP's FSDP reduces over the replicas too; plain replicas of a pipeline average here
+            return _Stages(pipe, mesh["dp_replicate"].get_group(), dims.dp_replicate if dims.dp_shard == 1 else 1)
         if dims.dp_shard > 1:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-            return apply_fsdp(model, dp_mesh, precision=cfg.precision)
+            return apply_fsdp(model, self._shard_mesh(dims, mesh), precision=cfg.precision)
         if dims.dp_replicate > 1:
             return _Replicas(model, mesh["dp_replicate"].get_group(), dims.dp_replicate)
         return model
+
+    @staticmethod
+    def _shard_mesh(dims: ParallelDims, mesh: Any) -> Any:
+        """FSDP's mesh: "dp_shard", or HSDP's "dp_replicate" x "dp_shard"; None without sharding."""
+        if dims.dp_shard == 1:
+            return None
+        return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return self.dims(ctx).data_shard(ctx.placement.rank)

@@ -332,19 +332,25 @@ class GraphSegment(nn.Module):
                 _attach_tensor(self, name, p, model)
         self._targets = targets
         self._device = self._where()
+        self.read_through = False
+        """Set where FSDP2 swaps the modules' parameters at each call (`sharded`): the graphs then read every
+        tensor from its module before they run, instead of keeping the tensors they were given."""
 
     def _where(self) -> torch.device | None:
         return next((t.device for t in (*self.parameters(), *self.buffers())), None)
 
-    def repoint(self) -> None:
-        """After moving (`.to`), buffers are new tensors: the graphs read them from the registered modules, and
-        the devices torch.export wrote into the graphs (`arange(..., device=cpu)`, a dtype/device assertion)
-        become the stage's, or a model traced on CPU and placed on a GPU mixes the two."""
+    def _read(self) -> None:
         for target in self._targets:
             owner, _, attr = target.rpartition(".")
             value = getattr(self.get_submodule(owner) if owner else self, attr)
             for gm in self._graphs.values():
                 _assign_attr(gm, target, value)
+
+    def repoint(self) -> None:
+        """After moving (`.to`), buffers are new tensors: the graphs read them from the registered modules, and
+        the devices torch.export wrote into the graphs (`arange(..., device=cpu)`, a dtype/device assertion)
+        become the stage's, or a model traced on CPU and placed on a GPU mixes the two."""
+        self._read()
         where = self._where()
         if where is not None and self._device is not None and where != self._device:
             for gm in self._graphs.values():
@@ -357,6 +363,8 @@ class GraphSegment(nn.Module):
         return list(self._graphs.values())
 
     def forward(self, value: Any) -> Any:
+        if self.read_through:
+            self._read()
         gm = self._graphs[self.training]
         in_spec, out_spec = self._specs[self.training]
         if self.first:

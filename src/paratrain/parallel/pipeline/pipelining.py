@@ -42,6 +42,7 @@ from . import clip_guard, schedules
 from .balance import choose_balance, describe
 from .memory import StageMemory, format_report, in_flight, param_bytes, watch_stages
 from .partition import Stage, layers_of, merged, split_into_stages
+from .sharded import shard_stages
 from .tied import TiedGradients
 from .tuning import tune_schedule
 
@@ -79,9 +80,11 @@ class PipelineModule(nn.Module):
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
                  device: torch.device, microbatches: int | str, balance: Sequence[int] | Sequence[str] | str,
                  example: Any, group: Any = None, strategy: str = "pp", batchnorm: str = "exact",
-                 checkpointing: str = "none", compiling: bool = False, tp_plan: dict[str, str] | None = None) -> None:
+                 checkpointing: str = "none", compiling: bool = False, tp_plan: dict[str, str] | None = None,
+                 shard_mesh: Any = None, precision: str = "32") -> None:
         super().__init__()
         self._tp_plan = tp_plan
+        self._shard_mesh, self._precision = shard_mesh, precision
         schedules.check(schedule, pp, per_worker, microbatches, checkpointing, compiling)
         self._checkpointing, self._compiling = checkpointing, compiling
         self.schedule_name, self.pp_rank, self.pp, self.per_worker = schedule, pp_rank, pp, per_worker
@@ -123,6 +126,8 @@ class PipelineModule(nn.Module):
         owner = schedules.stage_owners(self.schedule_name, self.pp, self.per_worker)
         self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
         local = [stages[i].to(self.device) for i in self.ids]
+        if self._shard_mesh is not None:
+            shard_stages(local, self._shard_mesh, self._precision, self.tied)
         for stage in local:
             if stage.index == self.num_stages - 1:
                 stage.outputs_spec = True  # torch sends and merges tensors only; the structure is put back

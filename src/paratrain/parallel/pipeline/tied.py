@@ -50,6 +50,9 @@ class TiedGradients:
     def __init__(self, model: nn.Module, stages: Sequence[nn.Module], rank_of_stage: Callable[[int], int],
                  my_rank: int, group: Any) -> None:
         self.group = group
+        self.shard: tuple[int, int] | None = None
+        """(coordinate, size) on the data-parallel mesh where FSDP shards the stages (`follow`): every holder
+        then keeps dim-0 rows of the tied gradient, the same rows on every rank of this pipeline."""
         self.entries: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]] = []
         self.counted_elsewhere: set[int] = set()
         """ids of this rank's tied copies that an earlier holder counts in the model's gradient norm."""
@@ -63,16 +66,45 @@ class TiedGradients:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
+    def follow(self, now: dict[int, nn.Parameter], coordinate: int, size: int) -> None:
+        """The stages were sharded (`sharded.shard_stages`): the entries become the FSDP2 parameters that replaced
+        the originals (`now`, by the original's id), whose gradients are this rank's rows."""
+        self.shard = (coordinate, size)
+        self.counted_elsewhere = {id(now[i]) for i in self.counted_elsewhere if i in now}
+        self.entries = [(now.get(id(p), p) if p is not None else None, shape, dtype)
+                        for p, shape, dtype in self.entries]
+
+    def _local_shape(self, shape: torch.Size) -> torch.Size:
+        """The rows FSDP2 keeps on this rank (torch.chunk's split of dim 0)."""
+        if self.shard is None or not shape:
+            return shape
+        coordinate, size = self.shard
+        per = -(-shape[0] // size)
+        return torch.Size((max(0, min(per, shape[0] - coordinate * per)), *shape[1:]))
+
     def reduce(self, device: torch.device) -> None:
         """Every holder's gradient becomes the sum over all holders (zeros stand in for ranks without it)."""
         for dtype in sorted({e[2] for e in self.entries}, key=str):  # the same order on every rank
-            group = [e for e in self.entries if e[2] == dtype]
-            flat = torch.cat([(p.grad if p is not None and p.grad is not None else
-                               torch.zeros(shape, dtype=dtype, device=device)).reshape(-1) for p, shape, _ in group])
+            group = [(p, self._local_shape(shape)) for p, shape, d in self.entries if d == dtype]
+            flat = torch.cat([_local(p.grad) if p is not None and p.grad is not None else
+                              torch.zeros(shape, dtype=dtype, device=device).reshape(-1) for p, shape in group])
             dist.all_reduce(flat, group=self.group)
             offset = 0
-            for p, shape, _ in group:
+            for p, shape in group:
                 n = shape.numel()
                 if p is not None:
-                    p.grad = flat[offset : offset + n].view(shape).clone()
+                    summed = flat[offset : offset + n].view(shape)
+                    if p.grad is not None and hasattr(p.grad, "to_local"):
+                        p.grad.to_local().copy_(summed)  # a DTensor's local rows share its storage
+                    elif hasattr(p, "to_local"):
+                        from torch.distributed.tensor import DTensor
+
+                        p.grad = DTensor.from_local(summed.clone(), p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                                                    shape=p.shape, stride=p.stride())
+                    else:
+                        p.grad = summed.clone()
                 offset += n
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return (grad.to_local() if hasattr(grad, "to_local") else grad).reshape(-1)
