@@ -13,6 +13,7 @@ only stages on different devices would need copies, which are refused until that
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,10 @@ class TiedGradients:
         self.entries: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]] = []
         self.counted_elsewhere: set[int] = set()
         """ids of this rank's tied copies that an earlier holder counts in the model's gradient norm."""
+        self._summed: dict[int, weakref.ref[torch.Tensor]] = {}
+        """The gradient tensors the last `reduce` wrote (by parameter id), until the next window starts."""
+        self._carried: dict[int, torch.Tensor] = {}
+        """What those gradients held when the next window started without clearing them (see `window_starts`)."""
         for _, p, held_by in shared_parameters(model, stages):
             ranks = {rank_of_stage(i) for i in held_by}
             if len(ranks) > 1:
@@ -82,18 +87,40 @@ class TiedGradients:
         per = -(-shape[0] // size)
         return torch.Size((max(0, min(per, shape[0] - coordinate * per)), *shape[1:]))
 
+    def window_starts(self) -> None:
+        """Before the first backward of a window. A loop that calls forward_backward again without clearing the
+        gradients (no optimizer step, or `zero_grad(set_to_none=False)`) accumulates onto sums the last window
+        already made, equal on every holder; what they held is kept so that only the new part is summed, as
+        DDP's average of each backward adds up over backwards."""
+        self._carried = {}
+        for p, _, _ in self.entries:
+            ref = self._summed.get(id(p)) if p is not None else None
+            grad = p.grad if p is not None else None
+            if grad is not None and ref is not None and ref() is grad:
+                self._carried[id(p)] = _local(grad).clone()
+        self._summed = {}
+
+    def _contribution(self, p: nn.Parameter | None, shape: torch.Size, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        if p is None or p.grad is None:
+            return torch.zeros(shape, dtype=dtype, device=device).reshape(-1)
+        carried = self._carried.get(id(p))
+        return _local(p.grad) if carried is None else _local(p.grad) - carried
+
     def reduce(self, device: torch.device) -> None:
         """Every holder's gradient becomes the sum over all holders (zeros stand in for ranks without it)."""
         for dtype in sorted({e[2] for e in self.entries}, key=str):  # the same order on every rank
             group = [(p, self._local_shape(shape)) for p, shape, d in self.entries if d == dtype]
-            flat = torch.cat([_local(p.grad) if p is not None and p.grad is not None else
-                              torch.zeros(shape, dtype=dtype, device=device).reshape(-1) for p, shape in group])
+            flat = torch.cat([self._contribution(p, shape, dtype, device) for p, shape in group])
             dist.all_reduce(flat, group=self.group)
             offset = 0
             for p, shape in group:
                 n = shape.numel()
                 if p is not None:
                     summed = flat[offset : offset + n].view(shape)
+                    carried = self._carried.get(id(p))
+                    if carried is not None:
+                        summed = summed + carried.view(shape)
                     if p.grad is not None and hasattr(p.grad, "to_local"):
                         p.grad.to_local().copy_(summed)  # a DTensor's local rows share its storage
                     elif hasattr(p, "to_local"):
@@ -103,7 +130,10 @@ class TiedGradients:
                                                     shape=p.shape, stride=p.stride())
                     else:
                         p.grad = summed.clone()
+                    if p.grad is not None:
+                        self._summed[id(p)] = weakref.ref(p.grad)
                 offset += n
+        self._carried = {}
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
