@@ -15,10 +15,9 @@ from typing import Any
 from ..parallel.dims import is_grammar, parse
 from .cluster import Cluster
 
-TENSOR = ("tp", "ddp+tp", "fsdp+tp", "tp+pp", "ddp+tp+pp")
-"""The tensor-parallel layouts the planner predicts (FSDP over pipeline stages, fsdp+pp and fsdp+tp+pp, trains
-but is not predicted yet)."""
-STRATEGIES = ("single", "ddp", "fsdp", "pp", "ddp+pp", "mp", *TENSOR)
+TENSOR = ("tp", "ddp+tp", "fsdp+tp", "tp+pp", "ddp+tp+pp", "fsdp+tp+pp")
+"""The tensor-parallel layouts the planner predicts."""
+STRATEGIES = ("single", "ddp", "fsdp", "pp", "ddp+pp", "fsdp+pp", "mp", *TENSOR)
 
 
 def axes(strategy: str) -> tuple[str, ...]:
@@ -77,7 +76,7 @@ class Layout:
         if self.strategy in ("single", "ddp", "fsdp"):
             text = self.strategy if self.strategy == "single" else f"{self.strategy} {self.dp}"
             return text + (f" (accum {self.grad_accum})" if self.grad_accum > 1 else "")
-        degrees = f"{self.dp}x{self.pp}" if self.strategy == "ddp+pp" else str(self.pp)
+        degrees = f"{self.dp}x{self.pp}" if self.dp > 1 else str(self.pp)
         sched = f"{self.schedule}, " if self.schedule else ""
         virtual = f"V={self.stages_per_worker}, " if self.stages_per_worker > 1 else ""
         return f"{self.strategy} {degrees} ({sched}{virtual}M={self.microbatches})"

@@ -10,6 +10,8 @@ adds:
     pp       its stages' parameters; activations of as many micro-batches as the schedule keeps in
              flight (read off the simulated action order); every rank holds the replica's batch
     ddp+pp   the same, plus the flat copy the gradient all-reduce after the schedule makes
+    fsdp+pp  a pipeline rank's state divided by the replicas that shard its stages, plus the stages gathered
+             whole and their whole gradients, from the first forward to the reduce-scatter after the schedule
 
 Activations are the bytes autograd saves for backward (measured, or counted for an analytic model),
 plus the gradients in flight during backward (twice the largest layer output). `process` is what a

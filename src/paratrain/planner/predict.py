@@ -229,6 +229,22 @@ def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int]
     return out
 
 
+def _tie_in_one_rank(profile: Profile, balance: list[int], where: dict[int, int]) -> str | None:
+    """FSDP shards each stage as one unit, so a weight tied between two stages of one rank is refused at run
+    time (`parallel/pipeline/sharded.py`); the planner says so instead of predicting it."""
+    stage_of, start = {}, 0
+    for s, count in enumerate(balance):
+        stage_of.update({layer.name: s for layer in profile.layers[start : start + count]})
+        start += count
+    for layer in profile.layers:
+        for other in layer.shared_with:
+            a, b = stage_of.get(other), stage_of[layer.name]
+            if a is not None and a != b and where[a] == where[b]:
+                return (f"{layer.name} is tied to {other} in stages {a} and {b} of one rank, which FSDP cannot "
+                        "shard as two units; one stage per worker, or another schedule")
+    return None
+
+
 def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
     dp, pp, per_worker, micro, tp = layout.dp, layout.pp, layout.stages_per_worker, layout.microbatches, layout.tp
     schedule = layout.schedule or "gpipe"
@@ -238,6 +254,10 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     dp_group, pp_group = pipeline_groups(cluster, dp, pp, tp)
     stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes), tp)
     where = simulate.stage_ranks(schedule, pp, per_worker)
+    if layout.sharded:
+        tie = _tie_in_one_rank(profile, balance, where)
+        if tie:
+            return Prediction(layout, fits=False, reason=tie)
     run = simulate.run_schedule(schedule, pp, per_worker, micro, stages, cluster.action_overhead, cluster.overlap)
     starts = [sum(balance[:s]) for s in range(len(balance))]
     rank_params = [0.0] * pp
@@ -246,17 +266,27 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
         params, held = costs.tensor_params(profile.layers[starts[s] : starts[s] + count], tp)
         rank_params[where[s]] += params
         rank_bytes[where[s]] += held
-    grads = max(collective_time(cluster, "all_reduce", n, dp_group) for n in rank_bytes) if dp > 1 else 0.0
+    shards = dp if layout.sharded else 1
+    if layout.sharded and dp > 1:  # each stage one FSDP unit: gathered before its first forward, its unsharded
+        # gradients reduce-scattered after its last backward, and FSDP's own cost per unit (as in _data_parallel)
+        alpha, beta = cluster.fsdp_unit
+        grads = max(collective_time(cluster, "all_gather", n, dp_group) + collective_time(
+            cluster, "reduce_scatter", n, dp_group) + per_worker * alpha + beta * n for n in rank_bytes)
+    else:
+        grads = max(collective_time(cluster, "all_reduce", n, dp_group) for n in rank_bytes) if dp > 1 else 0.0
     loss = _loss_reduce(cluster, layout) if layout.processes > 1 else 0.0
-    opts = [costs.optimizer_time(profile, n, cluster, optimizer) for n in rank_params]
+    opts = [costs.optimizer_time(profile, n / shards, cluster, optimizer) for n in rank_params]
     step = run.step + grads + loss + max(opts) + cluster.step_overhead
     work = dp * tp * (sum(run.busy) + pp * (grads + loss + cluster.step_overhead) + sum(opts))
     largest_output = max(layer.output_bytes for layer in profile.layers) * b
     worst = max(range(pp), key=lambda r: rank_bytes[r] + run.activation_peak[r])
-    mem = memory.model_state(rank_bytes[worst], rank_params[worst], optimizer)
+    mem = memory.model_state(rank_bytes[worst], rank_params[worst], optimizer, shards)
     mem.activations = run.activation_peak[worst] + 2 * largest_output
     mem.in_flight = run.in_flight[worst]
-    mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
+    if shards > 1:  # the gathered stages and their gradients, whole until the step's reduce-scatter
+        mem.buffers = 2 * rank_bytes[worst]
+    else:
+        mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
     mem.data = profile.sample_bytes * batch / dp
     if cluster.kind == "cpu":  # the balance's trial run of the whole model stays resident (see memory.py)
         build = costs.tensor_params(profile.layers, tp)[1] + memory.activations(_tensor_activations(profile.layers, tp),

@@ -1,11 +1,12 @@
 """Which layouts to predict, without enumerating blindly.
 
 For N devices: data parallelism (ddp, fsdp) over all N, with the fewest gradient-accumulation steps
-that fit in memory; pipelines of P ranks (pp when P = N, ddp+pp with N / P replicas otherwise) for
+that fit in memory; pipelines of P ranks (pp when P = N, otherwise N / P replicas that copy the stages,
+ddp+pp, or shard each stage, fsdp+pp) for
 each divisor P of N up to the number of layers, each schedule, stages per worker up to what the layers
 allow; and `mp` inside one node. Where the model has a tensor-parallel plan, the same again on N / T
 devices for each tensor degree T that divides N, fits in a node and splits the plan's dimensions: tp
-alone, ddp+tp and fsdp+tp, tp+pp and ddp+tp+pp. Three prunings keep 1,024 devices to seconds:
+alone, ddp+tp and fsdp+tp, tp+pp, ddp+tp+pp and fsdp+tp+pp. Three prunings keep 1,024 devices to seconds:
 
 - a degree whose parameters, gradients and optimizer state alone exceed a device is predicted once,
   as the reason it does not fit, and no micro-batch count or schedule is tried for it;
@@ -85,18 +86,30 @@ def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> 
             yield m
 
 
+def _pipeline_strategies(n: int, tp: int) -> Iterator[tuple[int, str]]:
+    """(pipeline ranks, strategy) for n devices per tensor group: one pipeline, or replicas of it that copy
+    (ddp) or shard (fsdp) its stages."""
+    suffix = "+tp+pp" if tp > 1 else "+pp"
+    for pp in _divisors(n):
+        if pp == n:
+            yield pp, suffix[1:]
+        else:
+            yield pp, "ddp" + suffix
+            yield pp, "fsdp" + suffix
+
+
 def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
                strategies: Sequence[str], schedules: Sequence[str], tp: int = 1) -> list[Prediction]:
     out: list[Prediction] = []
     layers = len(profile.layers)
-    for pp in _divisors(n // tp):
+    for pp, strategy in _pipeline_strategies(n // tp, tp):
         dp = n // tp // pp
-        strategy = ("pp" if dp == 1 else "ddp+pp") if tp == 1 else ("tp+pp" if dp == 1 else "ddp+tp+pp")
         if pp < 2 or pp > layers or strategy not in strategies or batch % dp:
             continue
         probe = Layout(strategy=strategy, dp=dp, pp=pp, tp=tp, schedule="1f1b", microbatches=pp,
                        precision=precision)
-        too_big = _state_too_big(profile, cluster, probe, optimizer, _tensor_share(profile, tp) / pp)
+        share = _tensor_share(profile, tp) / pp / (dp if probe.sharded else 1)
+        too_big = _state_too_big(profile, cluster, probe, optimizer, share)
         if too_big:
             out.append(Prediction(probe, fits=False, reason=too_big))
             continue

@@ -43,8 +43,8 @@ MICROBATCHES = (1, 2, 4, 8)
 
 def local_layouts(precision: str = "32", cluster: Cluster | None = None) -> list[Layout]:
     """What fits a 2-core machine: single, ddp 2, fsdp 2, pp 2 at M in {1, 2, 4, 8} for each schedule
-    (interleaved and zero-bubble with 2 stages per worker), mp 2, ddp+pp 2 x 2, tp 2, and the tensor-parallel
-    layouts of 4 workers (more workers than cores: the planner must predict them slow): fsdp+tp and tp+pp.
+    (interleaved and zero-bubble with 2 stages per worker), mp 2, ddp+pp 2 x 2, tp 2, and the N-D layouts of 4
+    workers (more workers than cores: the planner must predict them slow): fsdp+tp, tp+pp and fsdp+pp.
     On GPUs one worker per GPU: single, and with n GPUs ddp, fsdp and tp over all n and pp n (1F1B, M=4, 8)."""
     if cluster is not None and cluster.kind == "cuda":
         return gpu_layouts(cluster.devices, precision)
@@ -59,7 +59,8 @@ def local_layouts(precision: str = "32", cluster: Cluster | None = None) -> list
             for m in (2, 4)]
     out += [Layout(strategy="tp", tp=2, precision=precision),
             Layout(strategy="fsdp+tp", dp=2, tp=2, precision=precision),
-            Layout(strategy="tp+pp", tp=2, pp=2, schedule="1f1b", microbatches=4, precision=precision)]
+            Layout(strategy="tp+pp", tp=2, pp=2, schedule="1f1b", microbatches=4, precision=precision),
+            Layout(strategy="fsdp+pp", dp=2, pp=2, schedule="1f1b", microbatches=4, precision=precision)]
     return out
 
 

@@ -9,6 +9,7 @@ instead; "equal" is the naive split by layer count.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -124,7 +125,13 @@ def solve(costs: Sequence[float], stages: int) -> list[int]:
     """Contiguous split of `costs` into `stages` non-empty parts minimising the largest part's sum.
 
     Ties go to the split whose parts are most even in count, so equal costs give the equal split.
+    Cached by its inputs: the planner solves the same split for every layout that cuts one pipeline.
     """
+    return list(_solve(tuple(costs), stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _solve(costs: tuple[float, ...], stages: int) -> tuple[int, ...]:
     n = len(costs)
     if n < stages:
         raise too_few_layers(n, stages)
@@ -152,7 +159,7 @@ def solve(costs: Sequence[float], stages: int) -> list[int]:
         j = cut[k][i]
         balance.append(i - j)
         i = j
-    return balance[::-1]
+    return tuple(balance[::-1])
 
 
 def stage_sums(costs: Sequence[float], balance: Sequence[int]) -> list[float]:

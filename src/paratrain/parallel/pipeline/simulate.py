@@ -208,7 +208,15 @@ def run_schedule(schedule: str, pp: int, per_worker: int, microbatches: int, cos
                  overhead: float = 0.0, overlap: float = 1.0) -> PipelineRun:
     """Simulate `schedule`. Past EXACT_UP_TO micro-batches every schedule is in its steady state, which
     repeats one period per micro-batch (per round of pp for the interleaved ones), so step, busy time and
-    held micro-batches grow linearly in M: two exact runs at m and 2m (multiples of pp) give the line."""
+    held micro-batches grow linearly in M: two exact runs at m and 2m (multiples of pp) give the line.
+    Runs are cached by their inputs (the planner asks again for the same stages: copied and sharded replicas
+    of one pipeline differ only after the schedule); callers read the result and must not change it."""
+    return _run_schedule(schedule, pp, per_worker, microbatches, tuple(costs), overhead, overlap)
+
+
+@lru_cache(maxsize=1024)
+def _run_schedule(schedule: str, pp: int, per_worker: int, microbatches: int, costs: tuple[StageCost, ...],
+                  overhead: float, overlap: float) -> PipelineRun:
     where = stage_ranks(schedule, pp, per_worker)
     if microbatches <= EXACT_UP_TO:
         return simulate(pipeline_order(schedule, pp, per_worker, microbatches), costs, where, overhead, overlap)
