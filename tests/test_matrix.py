@@ -10,7 +10,8 @@ stages, model-parallel processes two stages.
 
 Dropout cases are compared with a reference that restates paratrain's documented layout-independent masks
 (zoo/dropout_rule.py), so they check the layouts against the rule, not the rule itself; test_dropout_stats.py
-checks the masks against statistics. bf16 cells are compared with plain torch.autocast, and every rank's
+checks the masks against statistics. bf16 cells (BF16_LAYOUTS x BF16_MODELS, and Hugging Face Llama under tp
+and fsdp+tp: BF16_TENSOR) are compared with plain torch.autocast, and every rank's
 weights must differ from float32 by more than zoo.compare.AUTOCAST_FLOOR (a rank that silently dropped autocast
 fails). Clipping cells (`clip`) clip the gradients by the whole model's norm with run.clip_grad_norm_
 against torch.nn.utils.clip_grad_norm_ in the plain loop, in every column, at a max_norm every step exceeds.
@@ -71,6 +72,9 @@ def refused_cells() -> tuple[dict[str, str], int]:
 REFUSED, RECORDED = refused_cells()
 BF16_MODELS = ("mlp", "gpt", "llama")
 BF16_LAYOUTS = ("single", "ddp", "fsdp", "mp", "pp-gpipe")
+BF16_TENSOR = {"tp": "hf_llama", "fsdp+tp": "hf_llama"}
+"""bf16 under tensor parallelism: DTensor shards computing under autocast, and FSDP2 gathering them in bf16 beside
+the tensor axis; Hugging Face Llama, the transformer the tp columns shard whole (the others are refused there)."""
 CLIP_MODELS = ("gpt", "hf_llama")
 """Gradient clipping by the whole model's norm, one cell a column, the first of these the column trains: GPT,
 whose head is tied to its embedding (a pipeline holds the tie on two ranks, to be counted once), or, where
@@ -134,6 +138,7 @@ def cells_of(layout: str) -> list[Cell]:
              if model not in CUT_MODELS or mb == column.microbatches[-1]]
     if layout in BF16_LAYOUTS:
         cells += [Cell(model, layout, BY_NAME[layout].microbatches[0], "bf16") for model in BF16_MODELS]
+    cells += [Cell(model, layout, None, "bf16") for model in [BF16_TENSOR.get(layout)] if model in models]
     first = BY_NAME[layout].microbatches[-1]  # pipelines: M=4, several micro-batches per stage
     clipped = [m for m in CLIP_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
     recomputed = [m for m in AC_MODELS if m in models and Cell(m, layout, first).label not in REFUSED][:1]
