@@ -51,6 +51,10 @@ class Run:
         self._saves = 0
         self._loaders: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
         """Training loaders: the batch the latest one yielded sets how much the next micro-step's loss counts."""
+        self._loader_prepared = False
+        """A training loader was prepared. forward_backward decides by this, not by the loaders still alive: a
+        loader dropped after its first batch is collected when each process's garbage collector runs, and ranks
+        that disagreed on it would disagree on the row-count exchange (a collective) and wait on each other."""
         self._sharded: weakref.WeakSet[ShardedLoader] = weakref.WeakSet()
         """Every prepared loader (evaluation ones too): re-shared if strategy="auto" switches layout."""
         self._auto = auto
@@ -208,6 +212,7 @@ class Run:
         prepared.step_state = self.step.state  # its batches set this run's rows for the dropout masks
         if not evaluation:
             self._loaders.add(prepared)
+            self._loader_prepared = True
             self._global_batch = prepared.global_batch  # for run.log's samples/s
         return prepared
 
@@ -252,7 +257,7 @@ class Run:
         if not torch.is_grad_enabled():
             return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
         activate(self.step.state)
-        weight = claim_weight(self._loaders) if self._loaders else self._hand_sliced(inputs)
+        weight = claim_weight(self._loaders) if self._loader_prepared else self._hand_sliced(inputs)
         with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
             loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
                                                   self.ctx)
