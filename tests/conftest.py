@@ -57,7 +57,7 @@ PROCESS_MODULES = {
     "test_collectives", "test_data_equivalence", "test_ddp", "test_ddp_tuning", "test_examples", "test_faults",
     "test_fsdp", "test_hybrid", "test_launcher", "test_notebook", "test_observe_ranks", "test_pp", "test_resume",
     "test_slurm", "test_data_parallel", "test_dropout_stats", "test_warm_run", "test_tensor_parallel",
-    "test_hand_sliced", "test_resume_layouts",
+    "test_hand_sliced", "test_resume_layouts", "test_pipeline_accumulation",
 }
 """Modules whose every test starts processes (the others mark such tests one by one with `procs`)."""
 
