@@ -17,6 +17,7 @@ not sent but read again from a tensor that crosses with it, so the graph stays v
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,18 +340,19 @@ class GraphSegment(nn.Module):
     def _where(self) -> torch.device | None:
         return next((t.device for t in (*self.parameters(), *self.buffers())), None)
 
-    def _read(self) -> None:
+    def _read(self, graphs: Iterable[fx.GraphModule]) -> None:
+        graphs = list(graphs)
         for target in self._targets:
             owner, _, attr = target.rpartition(".")
             value = getattr(self.get_submodule(owner) if owner else self, attr)
-            for gm in self._graphs.values():
+            for gm in graphs:
                 _assign_attr(gm, target, value)
 
     def repoint(self) -> None:
         """After moving (`.to`), buffers are new tensors: the graphs read them from the registered modules, and
         the devices torch.export wrote into the graphs (`arange(..., device=cpu)`, a dtype/device assertion)
         become the stage's, or a model traced on CPU and placed on a GPU mixes the two."""
-        self._read()
+        self._read(self._graphs.values())
         where = self._where()
         if where is not None and self._device is not None and where != self._device:
             for gm in self._graphs.values():
@@ -363,9 +365,9 @@ class GraphSegment(nn.Module):
         return list(self._graphs.values())
 
     def forward(self, value: Any) -> Any:
-        if self.read_through:
-            self._read()
         gm = self._graphs[self.training]
+        if self.read_through:
+            self._read([gm])  # the graph about to run
         in_spec, out_spec = self._specs[self.training]
         if self.first:
             flat, spec = pytree.tree_flatten(((value,), {}))

@@ -101,7 +101,6 @@ class PipelineModule(nn.Module):
         self._meter: Any = None
         self.sync = True
         """False inside an accumulation window (pp): tied gradients are summed only when it ends."""
-        self._window_open = False
         self._defer_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
         self.local = self._split(model, balance, example)
         self._registered = nn.ModuleList(self.local)
@@ -151,7 +150,6 @@ class PipelineModule(nn.Module):
         """At the end of an accumulation window: tied parameters' gradients summed over their holders."""
         if self.tied:
             self.tied.reduce(self.device)
-        self._window_open = False
 
     def holds(self) -> nn.Module:
         """This worker's layers under their original names (what `unwrap` returns)."""
@@ -237,9 +235,8 @@ class PipelineModule(nn.Module):
         if loss_fn is None or not torch.is_grad_enabled():
             return self._evaluate(inputs, targets, loss_fn)
         self._loss_fn = loss_fn
-        if self.tied and not self._window_open:
+        if self.tied:
             self.tied.window_starts()
-        self._window_open = True
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
         if isinstance(self.microbatches, int):

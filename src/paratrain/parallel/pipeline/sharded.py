@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
-
 from ...errors import ParatrainError
 from ..data_parallel.fsdp import apply_fsdp
 from .graph_split import GraphSegment
@@ -48,8 +46,6 @@ def shard_stages(stages: Sequence[Stage], mesh: Any, precision: str, tied: TiedG
         for module in stage._chain:
             if isinstance(module, GraphSegment):
                 module.read_through = True
-    now: dict[int, nn.Parameter] = {}
-    for old, (stage, name) in before.items():
-        now[old] = stage.get_parameter(name)
+    now = {old: stage.get_parameter(name) for old, (stage, name) in before.items()}
     shard_dim = mesh.ndim - 1  # HSDP shards over its last dimension and replicates over the first
     tied.follow(now, mesh.get_local_rank(shard_dim), mesh.size(shard_dim))

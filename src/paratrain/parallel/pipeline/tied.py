@@ -88,11 +88,12 @@ class TiedGradients:
         return torch.Size((max(0, min(per, shape[0] - coordinate * per)), *shape[1:]))
 
     def window_starts(self) -> None:
-        """Before the first backward of a window. A loop that calls forward_backward again without clearing the
-        gradients (no optimizer step, or `zero_grad(set_to_none=False)`) accumulates onto sums the last window
-        already made, equal on every holder; what they held is kept so that only the new part is summed, as
-        DDP's average of each backward adds up over backwards."""
-        self._carried = {}
+        """Before each micro-step's backward; it acts at the first one after a `reduce`. A loop that calls
+        forward_backward again without clearing the gradients (no optimizer step, or `zero_grad(set_to_none=False)`)
+        accumulates onto sums the last window already made, equal on every holder; what they held is kept so that
+        only the new part is summed, as DDP's average of each backward adds up over backwards."""
+        if not self._summed:  # inside a window, or before any sum: what is carried stays as it is
+            return
         for p, _, _ in self.entries:
             ref = self._summed.get(id(p)) if p is not None else None
             grad = p.grad if p is not None else None
