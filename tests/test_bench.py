@@ -500,3 +500,57 @@ def test_tp_pp_is_timed_beside_torchtitans_order_written_by_hand(tmp_path: Path,
     assert ours["reference"] == "torch-tp-pp" and ours["vs_reference"] > 0 and theirs["schedule"] == "1f1b"
     assert ours["bound"] == pytest.approx(2 * 2 * 2 / 3, abs=1e-3)  # tp 2 x a 2-stage 1F1B over 2 micro-batches
     assert ours["final_loss"] == pytest.approx(runs[("single", 1, None)]["final_loss"], rel=1e-5)  # sharded sums
+
+
+HAND_WRITTEN = ("torch-fsdp", "torch-fsdp-tp", "torch-tp-pp", "torch-ddp-pp", "torch-fsdp-pp")
+"""The N-D references on 4 workers: a reference that trains wrong would make its ratio meaningless."""
+
+
+def _one_reference_step(names: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """In each worker: every reference built from the same weights and stepped once on the tiny gpt; the whole
+    value of every parameter this rank trained (a gradient was left on it), by its name in the model."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    w = replace(workloads.get("gpt", gpt_size="tiny"), lr=1.0)  # a step as large as the gradient: a wrong one shows
+    settings = jobs.Settings(workload="gpt", gpt_size="tiny", batch=8, steps=1, warmup=0, repeat=1, schedule="1f1b")
+    built: list[nn.Module] = []
+    build = references._model
+    references._model = lambda *a: built.append(build(*a)) or built[-1]  # type: ignore[assignment]
+    out = {}
+    for name in names:
+        spec = jobs.Spec(name, 4, 2 if name.endswith("-pp") else None, "1f1b" if name.endswith("-pp") else None)
+        references.BUILDERS[name](spec, w, w.data(8), settings, torch.device("cpu"))()
+        out[name] = {key: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                     for key, p in built[-1].named_parameters(remove_duplicate=False) if p.grad is not None}
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(180)
+def test_hand_written_nd_references_train_as_one_process() -> None:
+    """Each N-D hand-written reference (FSDP, FSDP x TP, and pipelines of tensor-parallel, replicated and sharded
+    stages, with GPT's head tied to its embedding across the stages) takes the step plain SGD takes on the global
+    batch: every weight's update, on every rank that trains it, and every weight trained by some rank."""
+    import paratrain
+
+    w = workloads.get("gpt", gpt_size="tiny")
+    torch.manual_seed(references.SEED)
+    plain = w.model()
+    before = {key: p.detach().clone() for key, p in plain.named_parameters(remove_duplicate=False)}
+    x, y = w.data(8)
+    w.loss()(plain(x), y).backward()
+    torch.optim.SGD(plain.parameters(), lr=1.0).step()
+    want = {key: p.detach() - before[key] for key, p in plain.named_parameters(remove_duplicate=False)}
+    per_rank = paratrain.launch(_one_reference_step, HAND_WRITTEN, nproc=4, timeout=150, all_ranks=True,
+                                accelerator="cpu")
+    for name in HAND_WRITTEN:
+        trained = set()
+        for rank, got in enumerate(per_rank):
+            for key, value in got[name].items():
+                where = f"{name} rank {rank} {key}"
+                torch.testing.assert_close(value - before[key], want[key], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m, where=where: f"{where}: {m}")
+                trained.add(key)
+        assert trained == set(want), (name, set(want) - trained)

@@ -27,11 +27,13 @@ from ..strategies.base import Context, Strategy
 BENCH_STRATEGIES = ("single", "dp", "ddp", "fsdp", "mp", "pp", "ddp+pp")
 N_D_STRATEGIES = ("tp", "fsdp+tp", "ddp+tp", "ddp+fsdp")
 """N-D layouts the bench offers by name (any other name of the grammar is accepted too)."""
-REFERENCE = {"ddp": "torch-ddp", "mp": "torch-pipeline", "pp": "torch-pipelining", "tp": "torch-tp",
-             "fsdp+tp": "torch-fsdp-tp", "tp+pp": "torch-tp-pp"}
+REFERENCE = {"ddp": "torch-ddp", "fsdp": "torch-fsdp", "mp": "torch-pipeline", "pp": "torch-pipelining",
+             "tp": "torch-tp", "fsdp+tp": "torch-fsdp-tp", "tp+pp": "torch-tp-pp", "ddp+pp": "torch-ddp-pp",
+             "fsdp+pp": "torch-fsdp-pp"}
 """The hand-written PyTorch each paratrain strategy is compared with, on the same workers."""
 REFERENCE_SCHEDULES = ("gpipe", "1f1b")
-"""Schedules the hand-written torch-pipelining and torch-tp-pp references are written for."""
+"""Schedules the hand-written pipeline references (torch-pipelining, torch-tp-pp, torch-ddp-pp, torch-fsdp-pp) are
+written for."""
 CEILING = "no-comm"
 """Each worker trains a private copy on its share with no gradient exchange: the fastest any data-parallel
 strategy can be on this machine (it exposes shared cores, memory bandwidth and SMT siblings). Runs beside

@@ -6,10 +6,13 @@
   next chunk overlapping stage 2's current one), for any model cut in two, in one process.
 - `torch-pipelining`: `torch.distributed.pipelining` used directly: one `PipelineStage` per rank and
   `ScheduleGPipe` / `Schedule1F1B`.
-- `torch-tp`, `torch-fsdp-tp`: DTensor tensor parallelism as torchtitan writes it (`parallelize_module` with
-  the workload's plan; `fully_shard` per block and at the root over the data-parallel mesh dimension).
-- `torch-tp-pp`: both at once, torchtitan's order: `parallelize_module` on the model, then the chain cut by hand
-  into two `PipelineStage`s over the "pp" dimension of a ("pp", "tp") mesh.
+- `torch-fsdp`, `torch-tp`, `torch-fsdp-tp`: FSDP2 and DTensor tensor parallelism as torchtitan writes them
+  (`parallelize_module` with the workload's plan; `fully_shard` per block and at the root over the data-parallel
+  mesh dimension).
+- `torch-tp-pp`, `torch-ddp-pp`, `torch-fsdp-pp`: a pipeline with a tensor or data axis, torchtitan's order:
+  `parallelize_module` on the model, then the chain cut by hand into two pieces, each a `PipelineStage` over the
+  "pp" dimension of a ("pp", "dp", "tp") mesh and, over "dp", one `fully_shard` unit or a replica averaging its
+  gradients after the schedule.
 - `no-comm`: not a strategy but the machine's ceiling: the torch-ddp loop without DDP, so each worker
   computes its share and nothing is exchanged.
 
@@ -171,29 +174,57 @@ def no_comm(spec: Spec, workload: Workload, data: Batch, settings: Settings, dev
     return _loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device, settings.precision)
 
 
-def torch_tensor_parallel(spec: Spec, workload: Workload, data: Batch, settings: Settings,
-                          device: torch.device) -> Step:
-    """torchtitan's way, written out: a (dp, tp) DeviceMesh, `parallelize_module` with the workload's plan,
-    then `fully_shard` on each block and the root over "dp" (torch-fsdp-tp, tp 2) or nothing (torch-tp)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def _tensor_parallel(model: nn.Module, workload: Workload, tp_mesh: Any) -> None:
+    """`parallelize_module` with the workload's plan (its Linears colwise/rowwise, Megatron's pairs)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     if not workload.tp_plan:
         raise ParatrainError(f"workload {workload.name!r} names no tensor-parallel plan")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in workload.tp_plan.items()})
+
+
+def _fully_shard(model: nn.Module, dp_mesh: Any) -> None:
+    """`fully_shard` on each block (the model's `blocks`, or an nn.Sequential's layers that hold weights), then on
+    the root, as torchtitan shards a transformer."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = list(getattr(model, "blocks", [])) or [
+        m for m in (model.children() if isinstance(model, nn.Sequential) else []) if any(True for _ in m.parameters())]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+def _share(data: Batch, index: int, count: int, device: torch.device, settings: Settings) -> Batch:
+    """Data-parallel replica `index` of `count`: its rows of the global batch."""
+    share = settings.batch // count
+    rows = slice(index * share, (index + 1) * share)
+    return _inputs(data[0][rows], device, settings), data[1][rows].to(device)
+
+
+TENSOR_DEGREE = 2
+"""The tensor degree of the hand-written layouts that have a data or pipeline axis beside it (paratrain's default
+for `fsdp+tp`, `tp+pp`); `torch-tp` alone spans every worker."""
+PIPELINE_DEGREE = 2
+
+
+def torch_data_tensor(spec: Spec, workload: Workload, data: Batch, settings: Settings,
+                      device: torch.device) -> Step:
+    """torchtitan's way, written out: a (dp, tp) DeviceMesh, `parallelize_module` with the workload's plan over
+    "tp" (torch-tp, torch-fsdp-tp), then `fully_shard` on each block and the root over "dp" (torch-fsdp,
+    torch-fsdp-tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     world = dist.get_world_size()
-    tp = world if spec.strategy == "torch-tp" else 2
+    tp = {"torch-fsdp": 1, "torch-tp": world}.get(spec.strategy, TENSOR_DEGREE)
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     model = _model(workload, settings).to(device)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in workload.tp_plan.items()})
+    if tp > 1:
+        _tensor_parallel(model, workload, mesh["tp"])
     if world // tp > 1:
-        for block in getattr(model, "blocks", []):
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    dp_rank, share = mesh.get_local_rank("dp"), settings.batch // (world // tp)
-    inputs = _inputs(data[0][dp_rank * share:(dp_rank + 1) * share], device, settings)
-    labels = data[1][dp_rank * share:(dp_rank + 1) * share].to(device)
+        _fully_shard(model, mesh["dp"])
+    inputs, labels = _share(data, mesh.get_local_rank("dp"), world // tp, device, settings)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
     return _loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
 
@@ -247,23 +278,23 @@ class _Autocast(nn.Module):
             return self.module(x).float()
 
 
-def _scheduled(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device,
+def _scheduled(spec: Spec, workload: Workload, batch: Batch, settings: Settings, device: torch.device,
                part: nn.Module, stage_index: int, stages: int, group: dist.ProcessGroup | None,
-               tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]]) -> Step:
-    """One rank's piece as a `PipelineStage` under torch's GPipe or 1F1B, and the plain step around it: the
-    first stage feeds the batch, the last one the targets; copies of a tied weight sum their gradients."""
+               tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]],
+               replicas: dist.ProcessGroup | None = None) -> Step:
+    """One rank's piece (already sharded by `fully_shard` where a data axis shards it) as a `PipelineStage` under
+    torch's GPipe or 1F1B, and the plain step around it: the first stage feeds the batch, the last one the
+    targets; copies of a tied weight sum their gradients (their local shards, under FSDP); `replicas` of the
+    stage average their gradients in one flat all-reduce after the schedule (Megatron's contiguous buffer)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     assert spec.microbatches is not None
-    if settings.precision in _DTYPES:
-        part = _Autocast(part, device, settings.precision)
     stage = PipelineStage(part, stage_index, stages, device, group=group)
     schedule_cls = Schedule1F1B if spec.schedule == "1f1b" else ScheduleGPipe
     schedule = schedule_cls(stage, spec.microbatches, loss_fn=workload.loss())
     params = list(part.parameters())
     optimizer = optim.SGD(params, lr=workload.lr) if params else None  # a stage may be a lone ReLU
-    inputs = _inputs(data[0], device, settings)
-    labels = data[1].to(device)
+    inputs, labels = batch
 
     def step() -> None:
         if optimizer is not None:
@@ -279,11 +310,26 @@ def _scheduled(spec: Spec, workload: Workload, data: Batch, settings: Settings, 
             for p in shared:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=tie_group)
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(grad, group=tie_group)
+        if replicas is not None and params:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=replicas)
+            flat /= dist.get_world_size(replicas)
+            for p, g in zip(params, flat.split([g.numel() for g in grads])):
+                p.grad = g.view_as(p)
         if optimizer is not None:
             optimizer.step()
 
     return step
+
+
+def _tied_names(pieces: list[nn.Sequential], mine: int) -> list[str]:
+    """Names, in piece `mine`, of the weights it shares with another piece (found before any wrapper replaces
+    the Parameters)."""
+    shared = {id(p) for owners, params in shared_across(pieces) if mine in owners for p in params}
+    return [name for name, p in pieces[mine].named_parameters() if id(p) in shared]
 
 
 def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
@@ -296,35 +342,50 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
         if rank in owners:
             assert isinstance(group, dist.ProcessGroup)
             tied.append((group, shared))
-    return _scheduled(spec, workload, data, settings, device, pieces[rank].to(device), rank, stages, None, tied)
+    part = pieces[rank].to(device)
+    if settings.precision in _DTYPES:
+        part = _Autocast(part, device, settings.precision)
+    batch = _share(data, 0, 1, device, settings)
+    return _scheduled(spec, workload, batch, settings, device, part, rank, stages, None, tied)
 
 
-def torch_tp_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
+def torch_nd_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
                         device: torch.device) -> Step:
-    """torchtitan's order, written out: a ("pp", "tp") DeviceMesh of 2 pipeline stages and the other workers as
-    tensor ranks (what `tp+pp` gets by default), `parallelize_module` with the workload's plan on the whole model,
-    the chain cut by hand into equal pipeline pieces, each rank's piece a `PipelineStage` over its "pp" group, and
-    torch's schedule; the tensor ranks of a stage feed it the same batches."""
+    """torchtitan's order, written out, for a pipeline with a tensor or data axis beside it (torch-tp-pp,
+    torch-ddp-pp, torch-fsdp-pp): a ("pp", "dp", "tp") DeviceMesh of 2 pipeline stages, `parallelize_module` with
+    the workload's plan on the whole model over "tp", the chain cut by hand into the pipeline's pieces, each rank's
+    piece made a `PipelineStage` over its "pp" group, and torch's schedule. Over "dp", the piece is one `fully_shard`
+    unit (torch's stage drives its gradient reduction over the micro-batches) or a replica that averages its
+    gradients after the schedule (`DistributedDataParallel` inside a stage fails torch's reducer under 1F1B:
+    "rebuilt parameter indices size is not same as original model parameters size"). A weight tied across the
+    stages (GPT's embedding and head) sums its gradients over the "pp" group."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    if not workload.tp_plan:
-        raise ParatrainError(f"workload {workload.name!r} names no tensor-parallel plan")
-    pp = 2
-    mesh = init_device_mesh(device.type, (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "tp"))
+    world, pp = dist.get_world_size(), PIPELINE_DEGREE
+    tp = TENSOR_DEGREE if spec.strategy == "torch-tp-pp" else 1
+    mesh = init_device_mesh(device.type, (pp, world // (pp * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
     model = _model(workload, settings).to(device)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh["tp"], {name: styles[style]() for name, style in workload.tp_plan.items()})
-    pieces = cut(model, pp, None, workload.layers)
-    if shared_across(pieces):
-        raise ParatrainError(f"the hand-written tp+pp reference does not untie weights shared between stages "
-                             f"({workload.name}); time it with a workload whose stages share none")
-    pp_rank = mesh.get_local_rank("pp")
-    return _scheduled(spec, workload, data, settings, device, pieces[pp_rank], pp_rank, pp, mesh.get_group("pp"), [])
+    if tp > 1:
+        _tensor_parallel(model, workload, mesh["tp"])
+    pieces = cut(model, pp, workload.split, workload.layers)
+    pp_rank, dp_rank, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), world // (pp * tp)
+    piece = pieces[pp_rank]
+    tied_names = _tied_names(pieces, pp_rank)
+    part: nn.Module = _Autocast(piece, device, settings.precision) if settings.precision in _DTYPES else piece
+    if spec.strategy == "torch-fsdp-pp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(part, mesh=mesh["dp"])
+    tied = [(mesh.get_group("pp"), [piece.get_parameter(n) for n in tied_names])] if tied_names else []
+    batch = _share(data, dp_rank, dp, device, settings)
+    replicas = mesh.get_group("dp") if spec.strategy == "torch-ddp-pp" else None
+    return _scheduled(spec, workload, batch, settings, device, part, pp_rank, pp, mesh.get_group("pp"), tied,
+                      replicas)
 
 
 BUILDERS: dict[str, Callable[[Spec, Workload, Batch, Settings, torch.device], Step]] = {
     "torch-ddp": torch_ddp, "torch-pipeline": torch_pipeline, "torch-pipelining": torch_pipelining,
-    "no-comm": no_comm, "torch-tp": torch_tensor_parallel, "torch-fsdp-tp": torch_tensor_parallel,
-    "torch-tp-pp": torch_tp_pipelining,
+    "no-comm": no_comm, "torch-fsdp": torch_data_tensor, "torch-tp": torch_data_tensor,
+    "torch-fsdp-tp": torch_data_tensor, "torch-tp-pp": torch_nd_pipelining, "torch-ddp-pp": torch_nd_pipelining,
+    "torch-fsdp-pp": torch_nd_pipelining,
 }
