@@ -342,7 +342,7 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
         if rank in owners:
             assert isinstance(group, dist.ProcessGroup)
             tied.append((group, shared))
-    part = pieces[rank].to(device)
+    part: nn.Module = pieces[rank].to(device)
     if settings.precision in _DTYPES:
         part = _Autocast(part, device, settings.precision)
     batch = _share(data, 0, 1, device, settings)
