@@ -81,16 +81,17 @@ whose head is tied to its embedding (a pipeline holds the tie on two ranks, to b
 tensor parallelism refuses GPT's fused projection, Hugging Face Llama, whose blocks it shards."""
 
 
-COMPILE_MODELS = {"ddp": "gpt", "fsdp": "gpt", "mp": "gpt", "pp-1f1b": "gpt_dropout", "pp-interleaved": "gpt_dropout",
-                  "pp-zero-bubble": "gpt_dropout", "tp": "hf_llama", "fsdp+pp": "gpt"}
-"""The compile cells, one in each of these columns: each way a layout changes what is compiled. DDP wraps compiled
-blocks; FSDP2 shards them (their parameters become DTensors); `mp` runs compiled traced stages in one process; a
-pipeline compiles the traced graphs of its stages, where the GPT's dropout runs eagerly between compiled pieces,
-with one stage per worker (1F1B) and two (interleaved); tensor parallelism compiles blocks of DTensor Linears;
-FSDP over pipeline stages compiles graphs whose weights FSDP swaps at every call; zero-bubble refuses it. Compiling
-costs 5-30 s of CPU a cell here, so the columns left out are those made of these pieces (single and nn.Dropout
-modules between compiled blocks: tests/test_compile.py; pp-gpipe runs pp's compiled stage graphs; ddp+pp and ddp+mp
-add replicas to them; fsdp+tp, ddp+tp, tp+pp and fsdp+tp+pp compose the tp and fsdp+pp cells' pieces)."""
+COMPILE_MODELS = {"fsdp": "gpt", "pp-1f1b": "gpt_dropout", "pp-zero-bubble": "gpt_dropout", "tp": "hf_llama",
+                  "fsdp+pp": "gpt"}
+"""The compile cells, one in each of these columns: each way a layout changes what is compiled. FSDP2 shards
+compiled blocks (their parameters become DTensors); a pipeline compiles the traced graphs of its stages, where the
+GPT's dropout runs eagerly between compiled pieces; tensor parallelism compiles blocks of DTensor Linears; FSDP over
+pipeline stages compiles graphs whose weights FSDP swaps at every call; zero-bubble refuses it. Compiling costs
+10-30 s of CPU a cell here (the suite measured 100 s more with eight compiled columns than with three), so the
+columns left out are those made of these pieces (single and nn.Dropout modules between compiled blocks:
+tests/test_compile.py; ddp wraps the blocks single compiles; mp, pp-gpipe, pp-interleaved, ddp+pp and ddp+mp run
+pp's compiled stage graphs; fsdp+tp, ddp+tp, tp+pp and fsdp+tp+pp compose the tp and fsdp+pp cells' pieces).
+ddp, mp, pp-interleaved, pp-gpipe, ddp+pp and ddp+mp matched when tried with their own compile cell."""
 
 
 ADAM_RTOL = 1e-2
