@@ -53,10 +53,13 @@ def test_validate_runs_layouts_here_and_writes_validation_json(tmp_path: Path,
     local = json.loads((out / "cluster-local.json").read_text())
     assert local["measured_here"] and local["kind"] == "cpu" and set(local["collectives"]) == {
         "all_reduce", "all_gather", "reduce_scatter", "p2p"}
-    # DTensor's and FSDP2's own costs were measured (both are milliseconds per call on CPU workers, not zero); FSDP's
-    # is a line through two noisy points, so it is read where it was measured (a 512-feature unit), not at 0 bytes
+    # DTensor's and FSDP2's own costs were measured. DTensor's is a difference of three timings clamped at zero, which
+    # the other test process's load can take to zero (seen once in CI): measured, not asserted positive. FSDP's is
+    # milliseconds a unit, ten times the noise; a line through two noisy points, so it is read where it was measured
+    # (a 512-feature unit), not at 0 bytes
     unit = local["fsdp_unit_overhead"]
-    assert local["tp_overhead_us"] > 0 and unit["alpha_us"] * 1e-6 + unit["beta_s_per_gb"] * 4 * 512 * 513 / 1e9 > 0
+    assert isinstance(local["tp_overhead_us"], float) and local["tp_overhead_us"] >= 0
+    assert unit["alpha_us"] * 1e-6 + unit["beta_s_per_gb"] * 4 * 512 * 513 / 1e9 > 0
 
 
 def test_validate_refuses_other_hardware_and_analytic_models(capsys: pytest.CaptureFixture[str]) -> None:
