@@ -324,7 +324,7 @@ class GraphSegment(nn.Module):
             if id(p) in used and not _has(self, name):
                 _attach_tensor(self, name, p, model)
         self._targets = targets
-        self._link_cache: dict[int, list[tuple[nn.Module, str, nn.Module, str]]] = {}
+        self._links = {training: self._find_links(gm) for training, gm in graphs.items()}
         self._device = self._where()
         self.read_through = False
         """Set where FSDP2 swaps the modules' parameters at each call (`sharded`): the graphs then read every
@@ -333,34 +333,32 @@ class GraphSegment(nn.Module):
     def _where(self) -> torch.device | None:
         return next((t.device for t in (*self.parameters(), *self.buffers())), None)
 
-    def _read(self, graphs: Iterable[fx.GraphModule]) -> None:
-        for gm in graphs:
-            for source, attr, holder, name in self._links(gm):
+    def _read(self, modes: Iterable[bool]) -> None:
+        """Each graph of `modes` (training, evaluation) reads every tensor from the module that holds it now."""
+        for training in modes:
+            for source, attr, holder, name in self._links[training]:
                 value = getattr(source, attr)
                 if getattr(holder, name, None) is not value:  # FSDP2 swaps sharded and unsharded Parameters
                     setattr(holder, name, value)
 
-    def _links(self, gm: fx.GraphModule) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    def _find_links(self, gm: fx.GraphModule) -> list[tuple[nn.Module, str, nn.Module, str]]:
         """(module holding a tensor, its name, module of `gm` holding the graph's copy, its name) per target, found
         once: a traced stage under FSDP reads them at every call, where walking the paths cost 5 ms a step."""
-        key = id(gm)
-        if key not in self._link_cache:
-            links = []
-            for target in self._targets:
-                owner, _, attr = target.rpartition(".")
-                *path, name = target.split(".")
-                holder: nn.Module = gm
-                for part in path:
-                    holder = getattr(holder, part)
-                links.append((self.get_submodule(owner) if owner else self, attr, holder, name))
-            self._link_cache[key] = links
-        return self._link_cache[key]
+        links = []
+        for target in self._targets:
+            owner, _, attr = target.rpartition(".")
+            *path, name = target.split(".")
+            holder: nn.Module = gm
+            for part in path:
+                holder = getattr(holder, part)
+            links.append((self.get_submodule(owner) if owner else self, attr, holder, name))
+        return links
 
     def repoint(self) -> None:
         """After moving (`.to`), buffers are new tensors: the graphs read them from the registered modules, and
         the devices torch.export wrote into the graphs (`arange(..., device=cpu)`, a dtype/device assertion)
         become the stage's, or a model traced on CPU and placed on a GPU mixes the two."""
-        self._read(self._graphs.values())
+        self._read(self._graphs)
         where = self._where()
         if where is not None and self._device is not None and where != self._device:
             for gm in self._graphs.values():
@@ -375,7 +373,7 @@ class GraphSegment(nn.Module):
     def forward(self, value: Any) -> Any:
         gm = self._graphs[self.training]
         if self.read_through:
-            self._read([gm])  # the graph about to run
+            self._read([self.training])  # the graph about to run
         in_spec, out_spec = self._specs[self.training]
         if self.first:
             flat, spec = pytree.tree_flatten(((value,), {}))
