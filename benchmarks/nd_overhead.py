@@ -3,8 +3,9 @@
 `paratrain bench` alternates the two sides in blocks of steps; on this 2-core machine, with 2 or 4 workers, the
 medians of two such runs of the same code move by 5-10%, more than the 2% the comparison is about. Here both
 sides are built in the same workers (the bench's own builders: `worker.paratrain_side` and
-`references.BUILDERS`), and every step alternates A B B A, each step opened by a barrier, so the machine's drift
-falls on both sides within a second. Reported per layout: each side's median step, the ratio of the medians, and
+`references.BUILDERS`), and every step alternates A B B A, each step timed alone by the bench's harness
+(`measure.timing.time_steps`: a barrier first, the slowest rank's time), so the machine's drift falls on both
+sides within a second. Reported per layout: each side's median step, the ratio of the medians, and
 the median of the paired ratios (each paratrain step over the reference step beside it).
 
     python benchmarks/nd_overhead.py benchmarks/results/nd-overhead.json            # the gpt workload, mini
@@ -14,9 +15,9 @@ the median of the paired ratios (each paratrain step over the reference step bes
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -31,11 +32,12 @@ LAYOUTS = (("fsdp", 2), ("tp", 2), ("fsdp+tp", 4), ("tp+pp", 4), ("ddp+pp", 4), 
 
 
 def _pair(strategy: str, workers: int, size: str, steps: int, microbatches: int) -> dict[str, Any]:
-    """In each worker: both sides built, warmed up, then `steps` alternated steps each; rank 0's times."""
+    """In each worker: both sides built, warmed up, then `steps` alternated steps each (the slowest rank's times)."""
     import torch.distributed as dist
 
     from paratrain.bench import jobs, references, worker
     from paratrain.measure import workloads
+    from paratrain.measure.timing import time_steps
 
     settings = jobs.Settings(workload="gpt", gpt_size=size, batch=8, steps=1, warmup=0, repeat=1, schedule="1f1b")
     worker._init_group(jobs.Job(workers, (), strategy), settings)
@@ -50,13 +52,11 @@ def _pair(strategy: str, workers: int, size: str, steps: int, microbatches: int)
         ours()
         theirs()
     times: dict[str, list[float]] = {"paratrain": [], "hand-written": []}
+    cpu = torch.device("cpu")
     for i in range(steps):
         order = (("paratrain", ours), ("hand-written", theirs))
         for name, step in order if i % 2 == 0 else order[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
+            times[name] += time_steps(step, 1, [cpu], cpu)[0]
     dist.barrier()
     return {"reference": ref, "times": times}
 
@@ -86,7 +86,7 @@ def main() -> None:
               f"{row['reference_median_s']:.4f} s, ratio {row['ratio_of_medians']:.3f} "
               f"(paired {row['median_paired_ratio']:.3f})", file=sys.stderr, flush=True)
     emit({"workload": f"gpt {args.size}, global batch 8, SGD", "microbatches": args.microbatches,
-          "schedule": "1f1b", "torch": torch.__version__, "cores": __import__("os").cpu_count(), "layouts": rows})
+          "schedule": "1f1b", "torch": torch.__version__, "cores": os.cpu_count(), "layouts": rows})
 
 
 if __name__ == "__main__":
