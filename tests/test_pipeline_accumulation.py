@@ -75,7 +75,7 @@ def _plain() -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("strategy", "nproc"), [("pp", 2), ("fsdp+pp", 4)])
+@pytest.mark.parametrize(("strategy", "nproc"), [("pp", 2), ("ddp+pp", 4), ("fsdp+pp", 4)])
 def test_repeated_forward_backward_sums_tied_gradients_once(strategy: str, nproc: int) -> None:
     want = _plain()
     per_rank = paratrain.launch(_train, strategy, nproc=nproc, timeout=150, all_ranks=True, accelerator="cpu")

@@ -30,7 +30,7 @@ from torch import nn
 from .._tree import map_tensors, tensors_in
 from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
-from ..parallel.data_parallel import average_in_place, evaluate, forward_backward
+from ..parallel.data_parallel import average_gradients, evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
 from ..parallel.dims import ParallelDims, canonical, dims_for, parse
 from ..parallel.microbatch import pipeline_bound
@@ -41,12 +41,6 @@ if TYPE_CHECKING:
     from ..parallel.pipeline.pipelining import PipelineModule
 
 
-def _average(module: nn.Module, group: Any, size: int) -> None:
-    """Mean gradients over the replicas; a DTensor's through its local shard, which shares its storage."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    average_in_place([g.to_local() if hasattr(g, "to_local") else g for g in grads], group, size)
-
-
 class _Replicas(nn.Module):
     """A (tensor-parallel) model whose gradients are averaged over its data-parallel replicas after each
     backward that ends an accumulation window."""
@@ -54,6 +48,7 @@ class _Replicas(nn.Module):
     def __init__(self, module: nn.Module, group: Any, size: int) -> None:
         super().__init__()
         self.module, self.group, self.size = module, group, size
+        self.flat_grads: dict[torch.dtype, torch.Tensor] = {}  # see average_gradients
         self.sync = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -71,7 +66,7 @@ class _Replicas(nn.Module):
         return grad
 
     def average(self) -> None:
-        _average(self.module, self.group, self.size)
+        average_gradients(self.module.parameters(), self.group, self.size, self.flat_grads)
 
 
 class _Stages(nn.Module):
@@ -80,6 +75,7 @@ class _Stages(nn.Module):
     def __init__(self, pipe: PipelineModule, group: Any, size: int) -> None:
         super().__init__()
         self.pipe, self.group, self.size = pipe, group, size
+        self.flat_grads: dict[torch.dtype, torch.Tensor] = {}  # see average_gradients
         self.sync = True
 
     @property
@@ -91,7 +87,7 @@ class _Stages(nn.Module):
 
     def average(self) -> None:
         if self.size > 1:
-            _average(self.pipe, self.group, self.size)
+            average_gradients(self.pipe.parameters(), self.group, self.size, self.flat_grads)
 
 
 class NDStrategy:
@@ -184,9 +180,9 @@ class NDStrategy:
         if not isinstance(model, _Stages):
             raise ParatrainError(f"strategy {self.name!r}: pass the model returned by run.prepare to forward_backward")
         local = model(inputs, targets, loss_fn, ctx.config.grad_accum)
-        if model.sync:
-            model.pipe.reduce_tied_gradients()
+        if model.sync:  # averaged first: the tied sums then write into the averaged buffers in place
             model.average()
+            model.pipe.reduce_tied_gradients()
         dims = self.dims(ctx)
         return global_loss(local, dims.dp * dims.tp, ctx.device)  # every tensor rank of a last stage holds it
 

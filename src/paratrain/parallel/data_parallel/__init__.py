@@ -98,24 +98,51 @@ def set_ddp_sync(model: nn.Module, sync: bool) -> None:
             m.require_backward_grad_sync = sync
 
 
-def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int) -> None:
-    """Mean gradients over a process group: one all-reduce per dtype over a flat copy."""
-    average_in_place([p.grad for p in params if p.grad is not None], group, size)
-
-
-def average_in_place(tensors: Iterable[torch.Tensor], group: Any, size: int) -> None:
-    """Mean of each tensor over a process group, written back into it (one all-reduce per dtype)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for grads in by_dtype.values():
+def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int,
+                      buffers: dict[torch.dtype, torch.Tensor]) -> None:
+    """Mean gradients over a process group, one all-reduce per dtype over one flat buffer (Megatron's
+    contiguous buffer, DDP's `gradient_as_bucket_view`). Plain gradients become views of that buffer, kept in
+    `buffers`: while they still are at the next call (zeroed in place, or accumulated into) the buffer is reduced
+    where it lies, with no copy; a DTensor's local shard is copied back into it."""
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for dtype, owners in by_dtype.items():
+        grads = [_local(p.grad) for p in owners]
+        flat = buffers.get(dtype)
+        if flat is not None and _views_of(flat, grads):
+            dist.all_reduce(flat, group=group)
+            flat /= size
+            continue
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         flat /= size
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        for p, g in zip(owners, grads):
+            piece = flat[offset : offset + g.numel()].view_as(g)
+            if g is p.grad:
+                p.grad = piece
+            else:
+                g.copy_(piece)
             offset += g.numel()
+        buffers[dtype] = flat
+
+
+def _local(grad: Any) -> torch.Tensor:
+    """A DTensor's local shard (sharing its storage); a plain tensor itself."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:
+    """Whether `grads` are, in order, the contiguous pieces of `flat` that fill it."""
+    storage, offset = flat.untyped_storage().data_ptr(), flat.storage_offset()
+    for g in grads:
+        if (g.untyped_storage().data_ptr() != storage or g.storage_offset() != offset
+                or not g.is_contiguous()):
+            return False
+        offset += g.numel()
+    return bool(offset == flat.storage_offset() + flat.numel())
 
 
 def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: torch.device) -> Any:

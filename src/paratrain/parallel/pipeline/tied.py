@@ -112,6 +112,12 @@ class TiedGradients:
         """Every holder's gradient becomes the sum over all holders (zeros stand in for ranks without it)."""
         for dtype in sorted({e[2] for e in self.entries}, key=str):  # the same order on every rank
             group = [(p, self._local_shape(shape)) for p, shape, d in self.entries if d == dtype]
+            lone = group[0][0] if len(group) == 1 else None
+            if (lone is not None and lone.grad is not None and id(lone) not in self._carried
+                    and _unflat(lone.grad).is_contiguous()):  # GPT's one tie: summed where it lies, no copy
+                dist.all_reduce(_local(lone.grad), group=self.group)
+                self._summed[id(lone)] = weakref.ref(lone.grad)
+                continue
             flat = torch.cat([self._contribution(p, shape, dtype, device) for p, shape in group])
             dist.all_reduce(flat, group=self.group)
             offset = 0
@@ -122,8 +128,8 @@ class TiedGradients:
                     carried = self._carried.get(id(p))
                     if carried is not None:
                         summed = summed + carried.view(shape)
-                    if p.grad is not None and hasattr(p.grad, "to_local"):
-                        p.grad.to_local().copy_(summed)  # a DTensor's local rows share its storage
+                    if p.grad is not None:
+                        _unflat(p.grad).copy_(summed)  # in place: a DTensor's local rows share its storage
                     elif hasattr(p, "to_local"):
                         from torch.distributed.tensor import DTensor
 
@@ -137,5 +143,10 @@ class TiedGradients:
         self._carried = {}
 
 
+def _unflat(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    return (grad.to_local() if hasattr(grad, "to_local") else grad).reshape(-1)
+    """The local rows, flat: a view where they are contiguous (then writes reach the gradient)."""
+    return _unflat(grad).reshape(-1)
