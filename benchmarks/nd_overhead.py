@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 from typing import Any
@@ -61,11 +62,23 @@ def _pair(strategy: str, workers: int, size: str, steps: int, microbatches: int)
     return {"reference": ref, "times": times}
 
 
+def _interval(ours: list[float], theirs: list[float], draws: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of the ratio of medians (the steps resampled in their pairs, fixed seed): how far
+    the machine's noise alone moves the ratio."""
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        picks = [rng.randrange(len(ours)) for _ in ours]
+        ratios.append(statistics.median(ours[i] for i in picks) / statistics.median(theirs[i] for i in picks))
+    ratios.sort()
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?")
     parser.add_argument("--size", default="mini")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--layouts", default=",".join(f"{s}:{w}" for s, w in LAYOUTS))
     args = parser.parse_args()
@@ -80,11 +93,13 @@ def main() -> None:
                "paratrain_median_s": statistics.median(ours), "reference_median_s": statistics.median(theirs),
                "ratio_of_medians": statistics.median(ours) / statistics.median(theirs),
                "median_paired_ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
-               "steps": len(ours), "paratrain_s": ours, "reference_s": theirs}
+               "ratio_ci95": _interval(ours, theirs), "steps": len(ours), "paratrain_s": ours,
+               "reference_s": theirs}
         rows.append(row)
+        low, high = row["ratio_ci95"]
         print(f"{strategy:>8} x{workers}: paratrain {row['paratrain_median_s']:.4f} s, {row['reference']} "
               f"{row['reference_median_s']:.4f} s, ratio {row['ratio_of_medians']:.3f} "
-              f"(paired {row['median_paired_ratio']:.3f})", file=sys.stderr, flush=True)
+              f"(paired {row['median_paired_ratio']:.3f}, 95% {low:.3f}-{high:.3f})", file=sys.stderr, flush=True)
     emit({"workload": f"gpt {args.size}, global batch 8, SGD", "microbatches": args.microbatches,
           "schedule": "1f1b", "torch": torch.__version__, "cores": os.cpu_count(), "layouts": rows})
 
