@@ -8,13 +8,13 @@ stopped (Adam's tolerance: weights within 1e-4 of their movement, since Adam tur
 near-zero gradients into lr-sized steps), which takes every param-group option (lr, betas, eps, weight
 decay) and the scheduler's next factor to hold.
 
-The pipeline layouts cut the model differently (4 stages as 2 per worker under pp, 2 stages of FSDP shards under
-fsdp+pp, 2 stages of tensor-parallel DTensor shards under tp+pp), so a move between them changes the split, the
-sharding and the tensor degree; world sizes run 1, 2 and 4, so every pair also changes the world size or the
-strategy; fsdp+tp holds DTensors on a 2-D mesh. Layouts left out load and save through the same paths: `ddp`,
-`mp` and `ddp+mp` keep the whole model in each process and write what `single` writes (rank 0's copy), `ddp+pp`
-writes through DCP as `pp` does (DCP keeps one copy of what replicas share), `tp` is a 1-D case of fsdp+tp's
-tensor dimension.
+The grid is the matrix's transformer column: every layout it trains Hugging Face Llama under, each pipeline
+schedule family once (4 stages as 2 per worker under pp, 2 stages of replicas under ddp+pp, of FSDP shards under
+fsdp+pp, of tensor-parallel DTensor shards under tp+pp), so a move between them changes the split, the sharding,
+the tensor degree and the replicas; world sizes run 1, 2 and 4, so every pair also changes the world size or the
+strategy; fsdp+tp and ddp+tp hold DTensors on a 2-D mesh; mp and ddp+mp split the model over devices in a process.
+Left out: fsdp+tp+pp (8 workers), which writes what fsdp+pp's shards and tp's DTensors write; pp's other
+schedules, which hold the stages pp-4-stages and ddp+pp hold.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ LAYOUTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "fsdp+pp": ("fsdp+pp", 4, {"schedule": "gpipe", "balance": "equal"}),
     "fsdp+tp": ("fsdp+tp", 4, {"tp_size": 2}),
     "tp+pp": ("tp+pp", 4, {"tp_size": 2, "schedule": "gpipe", "balance": "equal"}),
+    "ddp": ("ddp", 2, {}),
+    "tp": ("tp", 2, {}),
+    "ddp+tp": ("ddp+tp", 4, {"tp_size": 2}),
+    "ddp+pp": ("ddp+pp", 4, {"schedule": "1f1b", "microbatches": 2, "balance": "equal"}),
+    "mp": ("mp", 1, {"devices": ["cpu", "cpu"], "balance": "equal"}),
+    "ddp+mp": ("ddp+mp", 2, {"devices_per_worker": 2, "balance": "equal"}),
 }
 
 
