@@ -57,6 +57,10 @@ test: setup lint
 test-quick: setup
 	$(VENV)/bin/pytest -q -m quick -n 2
 
+# a compile cell in every column of the correctness matrix (CI runs five of them): about 6 minutes
+test-compile: setup
+	PARATRAIN_MATRIX_COMPILE=all $(VENV)/bin/pytest -q -n 2 --dist loadscope tests/test_matrix.py -k every_model
+
 test-gpu: setup
 	PARATRAIN_TEST_GPU=1 $(VENV)/bin/pytest -q -m gpu
 
