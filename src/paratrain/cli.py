@@ -50,7 +50,7 @@ def _plan(ns: argparse.Namespace) -> int:
         optimizer=ns.optimizer, top=ns.top, out=ns.out, validate=ns.validate,
         **({"strategies": tuple(s.strip() for s in ns.strategies.split(",") if s.strip())} if ns.strategies else {}),
         steps=ns.steps,
-        warmup=ns.warmup, repeat=ns.repeat, timeout_s=ns.timeout,
+        warmup=ns.warmup, repeat=ns.repeat, passes=ns.passes, timeout_s=ns.timeout,
         layouts=[s.strip() for s in ns.layouts.split(";") if s.strip()] if ns.layouts else [],
         command="paratrain " + " ".join(sys.argv[1:]),
     )
@@ -80,7 +80,9 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", default=None, help="--validate only these layouts, ';'-separated labels")
     p.add_argument("--steps", type=int, default=5, help="--validate: timed steps per repeat")
     p.add_argument("--warmup", type=int, default=2, help="--validate: untimed steps first")
-    p.add_argument("--repeat", type=int, default=2, help="--validate: timed blocks per layout")
+    p.add_argument("--repeat", type=int, default=1, help="--validate: timed blocks per layout and pass")
+    p.add_argument("--passes", type=int, default=2,
+                   help="--validate: times each layout is measured, every other pass in reverse order")
     p.add_argument("--timeout", type=float, default=600.0, help="--validate: seconds one layout may take")
     p.set_defaults(func=_plan)
 

@@ -41,7 +41,8 @@ class PlanRequest:
     strategies: tuple[str, ...] = STRATEGIES
     steps: int = 5
     warmup: int = 2
-    repeat: int = 2
+    repeat: int = 1
+    passes: int = 2
     timeout_s: float = 600.0
     layouts: list[str] = field(default_factory=list)
     """--validate only these layouts (labels as the table prints them); empty: all of `validate.local_layouts`."""
@@ -174,9 +175,9 @@ def _validate(request: PlanRequest, profile: Profile, cluster: Cluster, batch: i
         layouts = chosen
     settings = validate.Settings(workload=request.workload, gpu=cluster.kind == "cuda", batch=batch,
                                  optimizer=request.optimizer, steps=request.steps, warmup=request.warmup,
-                                 repeat=request.repeat, timeout_s=request.timeout_s)
+                                 repeat=request.repeat, passes=request.passes, timeout_s=request.timeout_s)
     say(f"\nvalidating {len(layouts)} layout(s) on this machine ({settings.warmup} warm-up + {settings.repeat} x "
-        f"{settings.steps} timed steps each, fresh workers per layout)")
+        f"{settings.steps} timed steps each, fresh workers per layout, {settings.passes} pass(es))")
     records = validate.run(profile, cluster, settings, layouts, say=say)
     say("\n" + validate.table(records, now()))
     if out is not None:

@@ -84,9 +84,13 @@ class Settings:
     warmup: int = 2
     repeat: int = 2
     timeout_s: float = 600.0
-    round_size: int = 4
+    round_size: int = 6
     """Layouts per round; each round first measures `single`, so a layout's error can also be read against the
     machine as it was in its own round (the development machine drifts by 10-25% between minutes)."""
+    passes: int = 1
+    """Times every layout is measured, each pass in fresh workers and in the order opposite to the pass before:
+    a slow minute of the machine then falls on different neighbours in each pass, the reported time is the median
+    of the passes', and their disagreement is reported as the measurement's own noise."""
 
 
 @dataclass
@@ -174,54 +178,74 @@ def run(profile: Profile, cluster: Cluster, settings: Settings, layouts: list[La
         say: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Predict and measure each layout; one record each (see the module docstring). Layouts run in rounds of
     `settings.round_size`, each opened by a run of `single`: `relative_step_error` compares the layout's speed
-    against single, predicted and measured in its round, so the machine's drift between rounds cancels."""
+    against single, predicted and measured in its round, so the machine's drift between rounds cancels. With
+    `settings.passes` > 1 every layout is measured once per pass, every other pass in reverse order."""
     if not cluster.measured_here:
         raise ParatrainError(f"--validate runs the layouts on this machine, but cluster {cluster.name!r} describes "
                              "other hardware; use --cluster local (or the cluster-local.json it wrote)")
-    records = []
     predicted_single = {x: predict(profile, Layout(strategy="single", precision=x), cluster, settings.batch,
                                    settings.optimizer).step_s for x in {layout.precision for layout in layouts}}
-    measured_single: float | None = None
-    per_round = max(1, settings.round_size)
-    for i, layout in enumerate(layouts, 1):
-        round_number = (i - 1) // per_round + 1
-        if (i - 1) % per_round == 0:
-            measured_single = _measured_single(layout.precision, cluster, settings, measure)
-            shown = f"{measured_single:.4f} s" if measured_single else "failed"
-            say(f"round {round_number}: single measured {shown}")
-        p = predict(profile, layout, cluster, settings.batch, settings.optimizer)
-        record: dict[str, Any] = {"layout": layout.label, **{k: v for k, v in layout.as_dict().items() if k != "label"},
-                                  "predicted_step_s": p.step_s or None, "measured_step_s": None,
-                                  "predicted_peak_bytes": p.memory.total if p.step_s else None,
-                                  "measured_peak_bytes": None, "step_error": None, "memory_error": None,
-                                  "round": round_number,
-                                  "round_single_step_s": measured_single, "relative_step_error": None,
-                                  "measured_spread_s": None, "status": "ok", "reason": None}
+    predictions = [predict(profile, layout, cluster, settings.batch, settings.optimizer) for layout in layouts]
+    records = [_record(layout, p) for layout, p in zip(layouts, predictions)]
+    for i, (layout, p) in enumerate(zip(layouts, predictions)):
         if p.reason is not None and not p.reason.startswith("needs"):
-            record.update(status="cannot-run", reason=p.reason)
-            say(f"[{i}/{len(layouts)}] {layout.label}: cannot run ({p.reason})")
-            records.append(record)
-            continue
-        start = time.monotonic()
-        try:
-            got = measure(layout, cluster, settings)
-        except ParatrainError as exc:
-            lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-            record.update(status="failed", reason=lines[-1][-400:] if lines else str(exc))
-            say(f"[{i}/{len(layouts)}] {layout.label}: failed ({record['reason']})")
-            records.append(record)
-            continue
-        single = predicted_single[layout.precision]
-        relative = _error(p.step_s / single, got.step_s / measured_single) if measured_single and single else None
-        record.update(measured_step_s=got.step_s, measured_peak_bytes=got.peak_bytes, measured_spread_s=got.spread_s,
-                      step_error=_error(p.step_s, got.step_s), memory_error=_error(p.memory.total, got.peak_bytes),
-                      relative_step_error=relative)
-        against = f", {relative:+.1%} against the round's single" if relative is not None else ""
-        say(f"[{i}/{len(layouts)}] {layout.label}: predicted {p.step_s:.4f} s, measured {got.step_s:.4f} s "
-            f"(IQR {got.spread_s:.4f}; {record['step_error']:+.1%}{against}); memory {p.memory.total / 2**20:.0f} / "
-            f"{got.peak_bytes / 2**20:.0f} MiB ({record['memory_error']:+.1%})  [{time.monotonic() - start:.0f} s]")
-        records.append(record)
+            records[i].update(status="cannot-run", reason=p.reason)
+            say(f"[{i + 1}/{len(layouts)}] {layout.label}: cannot run ({p.reason})")
+    seen: list[list[tuple[Measured, float | None, int]]] = [[] for _ in layouts]
+    per_round, rounds = max(1, settings.round_size), 0
+    for pass_index in range(max(1, settings.passes)):
+        order = list(range(len(layouts)))[:: -1 if pass_index % 2 else 1]
+        todo = [i for i in order if records[i]["status"] == "ok"]
+        measured_single: float | None = None
+        for k, i in enumerate(todo):
+            if k % per_round == 0:
+                rounds += 1
+                measured_single = _measured_single(layouts[i].precision, cluster, settings, measure)
+                shown = f"{measured_single:.4f} s" if measured_single else "failed"
+                say(f"round {rounds}: single measured {shown}")
+            start = time.monotonic()
+            where = f"[{i + 1}/{len(layouts)}{f', pass {pass_index + 1}' if settings.passes > 1 else ''}]"
+            try:
+                got = measure(layouts[i], cluster, settings)
+            except ParatrainError as exc:
+                lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+                records[i].update(status="failed", reason=lines[-1][-400:] if lines else str(exc))
+                say(f"{where} {layouts[i].label}: failed ({records[i]['reason']})")
+                continue
+            seen[i].append((got, measured_single, rounds))
+            p = predictions[i]
+            say(f"{where} {layouts[i].label}: predicted {p.step_s:.4f} s, measured {got.step_s:.4f} s "
+                f"(IQR {got.spread_s:.4f}; {_error(p.step_s, got.step_s) or 0.0:+.1%}); memory "
+                f"{p.memory.total / 2**20:.0f} / {got.peak_bytes / 2**20:.0f} MiB  [{time.monotonic() - start:.0f} s]")
+    for i, record in enumerate(records):
+        if record["status"] == "ok" and seen[i]:
+            _combine(record, predictions[i], seen[i], predicted_single[layouts[i].precision])
     return records
+
+
+def _record(layout: Layout, p: Any) -> dict[str, Any]:
+    return {"layout": layout.label, **{k: v for k, v in layout.as_dict().items() if k != "label"},
+            "predicted_step_s": p.step_s or None, "measured_step_s": None,
+            "predicted_peak_bytes": p.memory.total if p.step_s else None,
+            "measured_peak_bytes": None, "step_error": None, "memory_error": None, "round": None,
+            "round_single_step_s": None, "relative_step_error": None, "measured_spread_s": None,
+            "measured_passes_s": [], "status": "ok", "reason": None}
+
+
+def _combine(record: dict[str, Any], p: Any, seen: list[tuple[Measured, float | None, int]],
+             single: float) -> None:
+    """The record from its passes: the median step and spread, the largest peak, and the speed against each
+    pass's round single (their median; `round_single_step_s` is the single that gives that speed)."""
+    step = statistics.median(m.step_s for m, _, _ in seen)
+    peak = max(m.peak_bytes for m, _, _ in seen)
+    speeds = [m.step_s / s for m, s, _ in seen if s]
+    speed = statistics.median(speeds) if speeds else None
+    record.update(measured_step_s=step, measured_peak_bytes=peak,
+                  measured_spread_s=statistics.median(m.spread_s for m, _, _ in seen),
+                  measured_passes_s=[m.step_s for m, _, _ in seen], round=seen[0][2],
+                  round_single_step_s=step / speed if speed else None,
+                  step_error=_error(p.step_s, step), memory_error=_error(p.memory.total, peak),
+                  relative_step_error=_error(p.step_s / single, speed) if speed and single else None)
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -253,6 +277,11 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
                    relative_measured_fastest=fastest["layout"],
                    relative_predicted_fastest_vs_measured_fastest=(
                        speed[picked["layout"]] / speed[fastest["layout"]] - 1))
+    repeated = [r["measured_passes_s"] for r in ok if len(r.get("measured_passes_s") or []) > 1]
+    if len(repeated) > 1:  # the measurement against itself: how well any prediction could be shown to rank
+        out.update(pass_median_disagreement=statistics.median(max(t) / min(t) - 1 for t in repeated),
+                   pass_worst_disagreement=max(max(t) / min(t) - 1 for t in repeated),
+                   pass_rank_correlation=rank_correlation([t[0] for t in repeated], [t[1] for t in repeated]))
     return out
 
 
@@ -311,6 +340,11 @@ def table(records: list[dict[str, Any]], created: str) -> str:
                          + (f", rank correlation {correlation:.2f}" if correlation is not None else "")
                          + f"; predicted fastest {s['relative_predicted_fastest_vs_measured_fastest']:+.1%} from "
                          f"{s['relative_measured_fastest']!r}")
+        if "pass_median_disagreement" in s:
+            agreement = s["pass_rank_correlation"]
+            lines.append(f"  the measurement against itself (pass 1 vs pass 2): median disagreement "
+                         f"{s['pass_median_disagreement']:.1%}, worst {s['pass_worst_disagreement']:.1%}"
+                         + (f", rank correlation {agreement:.2f}" if agreement is not None else ""))
     return "\n".join(lines)
 
 
