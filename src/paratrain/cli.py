@@ -80,9 +80,10 @@ def _plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", default=None, help="--validate only these layouts, ';'-separated labels")
     p.add_argument("--steps", type=int, default=5, help="--validate: timed steps per repeat")
     p.add_argument("--warmup", type=int, default=2, help="--validate: untimed steps first")
-    p.add_argument("--repeat", type=int, default=1, help="--validate: timed blocks per layout and pass")
-    p.add_argument("--passes", type=int, default=2,
-                   help="--validate: times each layout is measured, every other pass in reverse order")
+    p.add_argument("--repeat", type=int, default=2, help="--validate: timed blocks per layout and pass")
+    p.add_argument("--passes", type=int, default=1,
+                   help="--validate: times each layout is measured, every other pass in reverse order (2: the "
+                        "measurement compared with itself, about twice the time)")
     p.add_argument("--timeout", type=float, default=600.0, help="--validate: seconds one layout may take")
     p.set_defaults(func=_plan)
 

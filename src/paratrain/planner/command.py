@@ -41,8 +41,8 @@ class PlanRequest:
     strategies: tuple[str, ...] = STRATEGIES
     steps: int = 5
     warmup: int = 2
-    repeat: int = 1
-    passes: int = 2
+    repeat: int = 2
+    passes: int = 1
     timeout_s: float = 600.0
     layouts: list[str] = field(default_factory=list)
     """--validate only these layouts (labels as the table prints them); empty: all of `validate.local_layouts`."""

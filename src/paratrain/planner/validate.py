@@ -84,7 +84,7 @@ class Settings:
     warmup: int = 2
     repeat: int = 2
     timeout_s: float = 600.0
-    round_size: int = 6
+    round_size: int = 4
     """Layouts per round; each round first measures `single`, so a layout's error can also be read against the
     machine as it was in its own round (the development machine drifts by 10-25% between minutes)."""
     passes: int = 1
