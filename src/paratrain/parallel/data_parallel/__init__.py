@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...config import Config
 from ...errors import ParatrainError
+from ..tensor import local_part
 
 
 class _DDP(DistributedDataParallel):
@@ -104,34 +105,28 @@ def average_gradients(params: Iterable[nn.Parameter], group: Any, size: int,
     contiguous buffer, DDP's `gradient_as_bucket_view`). Plain gradients become views of that buffer, kept in
     `buffers`: while they still are at the next call (zeroed in place, or accumulated into) the buffer is reduced
     where it lies, with no copy; a DTensor's local shard is copied back into it."""
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.Tensor]]] = {}
     for p in params:
         if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for dtype, owners in by_dtype.items():
-        grads = [_local(p.grad) for p in owners]
-        flat = buffers.get(dtype)
-        if flat is not None and _views_of(flat, grads):
-            dist.all_reduce(flat, group=group)
-            flat /= size
-            continue
-        flat = torch.cat([g.reshape(-1) for g in grads])
+            by_dtype.setdefault(p.grad.dtype, []).append((p, p.grad))
+    for dtype, owned in by_dtype.items():
+        grads = [local_part(grad) for _, grad in owned]
+        kept = buffers.get(dtype)
+        reused = kept is not None and _views_of(kept, grads)
+        flat = kept if kept is not None and reused else torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         flat /= size
+        if reused:
+            continue
         offset = 0
-        for p, g in zip(owners, grads):
+        for (p, grad), g in zip(owned, grads):
             piece = flat[offset : offset + g.numel()].view_as(g)
-            if g is p.grad:
+            if g is grad:
                 p.grad = piece
             else:
                 g.copy_(piece)
             offset += g.numel()
         buffers[dtype] = flat
-
-
-def _local(grad: Any) -> torch.Tensor:
-    """A DTensor's local shard (sharing its storage); a plain tensor itself."""
-    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:

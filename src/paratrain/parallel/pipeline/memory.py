@@ -24,20 +24,13 @@ import torch
 from torch import nn
 
 from ... import _forwards
+from ..tensor import local_part
 
 _ACTION = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's piece on this rank (what its memory is); any other tensor itself."""
-    if hasattr(tensor, "to_local"):
-        with torch.no_grad():
-            return tensor.to_local()  # type: ignore[no-any-return]
-    return tensor
-
-
 def param_bytes(module: nn.Module) -> int:
-    return sum(_local(p).numel() * p.element_size() for p in module.parameters())
+    return sum(local_part(p).numel() * p.element_size() for p in module.parameters())
 
 
 class _Held:
@@ -57,7 +50,7 @@ class ActivationMeter:
     """
 
     def __init__(self, exclude: Iterable[nn.Module] = ()) -> None:
-        self._skip = {_local(p).untyped_storage().data_ptr() for m in exclude for p in m.parameters()}
+        self._skip = {local_part(p).untyped_storage().data_ptr() for m in exclude for p in m.parameters()}
         self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references, owner]
         self.current = 0
         self.peak = 0
@@ -69,7 +62,7 @@ class ActivationMeter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
             return tensor
-        storage = _local(tensor).untyped_storage()
+        storage = local_part(tensor).untyped_storage()
         key = storage.data_ptr()
         if key in self._skip or key == 0:
             return tensor

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import ParatrainError
+from ..tensor import local_part
 
 
 def shared_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> list[tuple[str, nn.Parameter, list[int]]]:
@@ -114,7 +115,7 @@ class TiedGradients:
             group = [(p, self._local_shape(shape)) for p, shape, d in self.entries if d == dtype]
             lone = group[0][0] if len(group) == 1 else None
             if (lone is not None and lone.grad is not None and id(lone) not in self._carried
-                    and _unflat(lone.grad).is_contiguous()):  # GPT's one tie: summed where it lies, no copy
+                    and local_part(lone.grad).is_contiguous()):  # GPT's one tie: summed where it lies, no copy
                 dist.all_reduce(_local(lone.grad), group=self.group)
                 self._summed[id(lone)] = weakref.ref(lone.grad)
                 continue
@@ -129,7 +130,7 @@ class TiedGradients:
                     if carried is not None:
                         summed = summed + carried.view(shape)
                     if p.grad is not None:
-                        _unflat(p.grad).copy_(summed)  # in place: a DTensor's local rows share its storage
+                        local_part(p.grad).copy_(summed)  # in place: a DTensor's local rows share its storage
                     elif hasattr(p, "to_local"):
                         from torch.distributed.tensor import DTensor
 
@@ -143,10 +144,6 @@ class TiedGradients:
         self._carried = {}
 
 
-def _unflat(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if hasattr(grad, "to_local") else grad
-
-
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """The local rows, flat: a view where they are contiguous (then writes reach the gradient)."""
-    return _unflat(grad).reshape(-1)
+    return local_part(grad).reshape(-1)
