@@ -7,6 +7,7 @@ import pytest
 import torch
 import zoo
 from torch import nn
+from zoo import archs
 
 from paratrain import ParatrainError, strategies
 from paratrain.config import Config, validate
@@ -104,9 +105,34 @@ def test_plans_come_from_the_config_the_structure_or_the_user() -> None:
                                                     "blocks.1.mlp.up"]
 
 
+def test_fused_projections_and_hugging_face_styles_are_planned() -> None:
+    plan, _ = find_plan(zoo.MODELS["gpt"].build(0), None)  # packed or interleaved: the check on the example settles
+    assert plan["blocks.0.attn.qkv"] == "fused" and plan["blocks.0.attn.proj"] == "rowwise"
+    plan, _ = find_plan(zoo.MODELS["hf_gpt2"].build(0), None)  # Conv1D layers, the fused c_attn among them
+    assert plan["transformer.h.1.attn.c_attn"] == "fused" and plan["transformer.h.1.mlp.c_proj"] == "rowwise"
+    phi3 = archs.build_phi3(0)
+    plan, source = find_plan(phi3, None)  # the config's own styles, mapped
+    assert "Phi3Config" in source or "Phi3ForCausalLM" in source
+    assert plan["model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
+    assert plan["model.layers.0.mlp.down_proj"] == "rowwise_split_input"
+    plan, _ = find_plan(archs.build_mixtral(0), None)  # experts: the module, and its weights' declared styles
+    assert plan["model.layers.0.mlp.experts"] == "experts"
+    assert plan["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
+    wrapped = nn.ModuleDict({"lm": phi3})  # a Hugging Face model inside the user's module: its plan, prefixed
+    plan, _ = find_plan(wrapped, None)
+    assert plan["lm.model.layers.1.self_attn.o_proj"] == "rowwise_split_input"
+    t5 = archs.build_t5(0)  # no declared plan: found by structure, T5's head-indexed position bias split with the heads
+    plan, _ = find_plan(t5, None)
+    attention = "model.encoder.block.0.layer.0.SelfAttention"
+    assert plan[f"{attention}.relative_attention_bias"] == "colwise" and plan[f"{attention}.o"] == "rowwise"
+    assert plan["model.decoder.block.1.layer.2.DenseReluDense.wo"] == "rowwise"
+
+
 def test_plans_that_cannot_be_right_are_refused_by_name() -> None:
-    with pytest.raises(ParatrainError, match=r"blocks\.0\.attn\.qkv is a fused projection"):
-        find_plan(zoo.MODELS["gpt"].build(0), None)
+    qwen2 = archs.build_qwen2(0)  # grouped-query attention: 4 query heads, 2 key/value heads
+    kv = r"2 key/value heads \(Qwen2Config.num_key_value_heads\).*tp_size in \[1, 2\]"
+    with pytest.raises(ParatrainError, match=kv):
+        check_plan(qwen2, find_plan(qwen2, None)[0], 4)
     with pytest.raises(ParatrainError, match="matches no module.*its Linear layers: 0, 2"):
         find_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), {"blocks.*.q": "colwise"})
     with pytest.raises(ParatrainError, match="style 'sequence'"):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, is_comm_failure
+from . import strided
 from .state import Unwrap
 
 _DIR = "model"
@@ -86,7 +87,7 @@ def save(checkpoint: Path, state_dicts: dict[str, Any]) -> None:
     """Collective: every rank writes its shards (from `gather`) into `checkpoint/model/`."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state_dicts, checkpoint_id=str(checkpoint / _DIR))
+    dcp.save(strided.made_whole(state_dicts), checkpoint_id=str(checkpoint / _DIR))
 
 
 def _check_fits(checkpoint: Path, target: dict[str, Any]) -> None:
@@ -126,6 +127,7 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     modules, optimizers = split(state, unwrap)
     target = _state_dicts(modules, optimizers)
     _check_fits(checkpoint, target)
+    whole = strided.WholeForLoad(target)
     try:
         dcp.load(target, checkpoint_id=str(checkpoint / _DIR))
     except (Exception, CheckpointException) as exc:
@@ -134,6 +136,7 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
         raise CheckpointError(
             f"sharded checkpoint {str(checkpoint)!r} does not fit this model: {str(exc).strip()[:800]}"
         ) from exc
+    whole.restore()
     for key, module in modules.items():
         set_model_state_dict(module, target[f"model.{key}"])
     for key, (module, optimizer) in optimizers.items():

@@ -28,6 +28,10 @@ from torch.utils.flop_counter import flop_registry
 from .. import _forwards
 from .._tree import nbytes, tensors_in
 from ..errors import ParatrainError
+from ..parallel.tensor.plan import FUSED, is_parameter, owner_of
+
+SPLITS_OUTPUT = frozenset({"colwise", "packed_colwise", "colwise_gather_output", FUSED})
+"""Plan styles whose layer splits its output features (a split region starts there)."""
 
 
 @dataclass
@@ -103,6 +107,10 @@ def _watching(model: nn.Module, plan: dict[str, str], layers: list[str], region:
             region.open += 1
         return before
 
+    def closing(out: Any) -> None:  # a row-split output: summed over the ranks
+        region.splits[region.current].forward.append(nbytes(out) / batch)
+        region.open = max(0, region.open - 1)
+
     def row(module: nn.Module) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
         weight = module.weight
         assert isinstance(weight, torch.Tensor)
@@ -110,10 +118,7 @@ def _watching(model: nn.Module, plan: dict[str, str], layers: list[str], region:
         def before(args: Any) -> None:
             region.splits[region.current].params += weight.numel()  # its bias stays whole
 
-        def after(out: Any) -> None:
-            region.splits[region.current].forward.append(nbytes(out) / batch)
-            region.open = max(0, region.open - 1)
-        return before, after
+        return before, closing
 
     def enter(name: str) -> Callable[[Any], None]:
         def before(args: Any) -> None:
@@ -122,8 +127,14 @@ def _watching(model: nn.Module, plan: dict[str, str], layers: list[str], region:
 
     try:
         for name, style in plan.items():
+            if owner_of(plan, name) is not None or is_parameter(model, name) or style == "partial_grad":
+                continue  # an expert weight (counted with its experts), a module's own weight, a whole layer
             module = model.get_submodule(name)
-            if style == "colwise":
+            if isinstance(module, nn.Embedding):
+                continue  # a head-indexed table (T5's position bias): no matrix product to split
+            if style == "experts":  # both halves in one module: its FLOPs split, its output summed
+                _watch(module, column(module), closing)
+            elif style in SPLITS_OUTPUT:
                 _watch(module, column(module))
             else:
                 _watch(module, *row(module))
@@ -144,14 +155,22 @@ def _watching(model: nn.Module, plan: dict[str, str], layers: list[str], region:
 def measure(model: nn.Module, example: Any, layers: list[str], user_plan: dict[str, str] | None) -> Found:
     """Each layer's split part, from one forward on `example` (its first dimension is the batch)."""
     from ..parallel.tensor.plan import check_plan, find_plan
+    from ..parallel.tensor.styles import in_features, out_features
 
     try:
         plan, source = find_plan(model, user_plan)
         check_plan(model, plan, 1)
     except ParatrainError as exc:
         return Found({}, 0, f"no tensor-parallel layouts: {exc}")
-    sizes = [m.out_features if style == "colwise" else m.in_features
-             for name, style in plan.items() for m in [model.get_submodule(name)] if isinstance(m, nn.Linear)]
+    fused = [name for name, style in plan.items() if style == FUSED]
+    if fused:  # packed or interleaved, or neither: only the check on a process group can say (`parallel.tensor.check`)
+        return Found({}, 0, f"no tensor-parallel layouts: {fused[0]} is a fused projection, which prepare shards only "
+                            "where its check on the example batch finds the layout; name it in setup(tp_plan=...) "
+                            "as 'packed_colwise' or 'colwise' for the planner to count it")
+    sizes = [out_features(m) if style in SPLITS_OUTPUT else in_features(m)
+             for name, style in plan.items() if style not in ("experts", "partial_grad")
+             and owner_of(plan, name) is None and not is_parameter(model, name)
+             for m in [model.get_submodule(name)] if not isinstance(m, nn.Embedding)]
     batch = next(t.shape[0] for t in tensors_in(example) if t.dim() > 0)
     region = _Region(layers)
     with torch.no_grad(), _watching(model, plan, layers, region, batch), _Counter(region):

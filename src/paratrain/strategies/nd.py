@@ -132,9 +132,11 @@ class NDStrategy:
             plan, source = find_plan(model, cfg.tp_plan)
             check_plan(model, plan, dims.tp)
             example = map_tensors(lambda t: t.to(ctx.device), example) if example is not None else None
-            model = apply_tp(model, mesh["tp"], plan, example)
+            plan, settled = apply_tp(model, mesh["tp"], plan, example)
             if ctx.placement.rank == 0:
                 print(f"paratrain: {describe(plan, source, dims.tp)}", flush=True)
+                for note in settled:
+                    print(f"paratrain: tensor parallel: {note}", flush=True)
         if dims.pp > 1:
             from ..parallel.pipeline.pipelining import PipelineModule
 

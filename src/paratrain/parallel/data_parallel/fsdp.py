@@ -197,9 +197,19 @@ def apply_fsdp(model: nn.Module, mesh: Any = None, *, units: Sequence[str] | Non
     return model
 
 
+def _placement(param: nn.Parameter) -> Any:
+    """FSDP's dimension for a parameter: dim 0, unless tensor parallelism already splits dim 0 as a strided slice
+    (a fused or expert weight, `parallel.tensor.styles`): DTensor cannot gather two strided splits of one dimension
+    back into the whole tensor, so FSDP splits the next one."""
+    from torch.distributed.tensor import Shard
+
+    strided = [getattr(p, "dim", None) for p in getattr(param, "placements", ()) if type(p).__name__ == "_StridedShard"]
+    return Shard(1) if 0 in strided and param.dim() > 1 else Shard(0)
+
+
 def _shard(fully_shard: Any, module: nn.Module, path: str, mesh: Any, policy: Any) -> None:
     try:
-        fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=_placement)
     except (ValueError, RuntimeError, AssertionError) as exc:
         where = f"unit {path!r}" if path else "the root module"
         raise ParatrainError(f"fsdp could not shard {where} ({type(module).__name__}): {exc}") from exc

@@ -1,127 +1,167 @@
-"""Tensor parallelism on torch's DTensor (`parallelize_module` with Colwise/RowwiseParallel), and the check
-that makes it safe: the sharded blocks must compute what the whole blocks computed.
-
-A plan is only names and styles; whether a block's forward survives having 1/tp of its heads is a property of
-its code: `view(b, t, self.heads, d)` with the full head count fails, and `view(b, t, self.heads, -1)` runs and
-silently computes attention over the wrong head width. So in `prepare`, one no-grad forward of the example
-batch runs through the sharded model, and the first block of each kind (each parent of planned layers, by
-class) is run again unsharded on the same input: a difference, or an error inside the block, is refused with
-the block's name and the fix.
+"""Tensor parallelism applied: the plan's layers sharded over the tensor mesh in the ways the check settled
+(`check.choose`), every block of a kind alike, then the whole model run once more on the example against its
+unsharded output.
 """
 
 from __future__ import annotations
 
-import copy
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..._tree import tensors_in
+from ... import collectives
 from ...errors import ParatrainError
+from .. import step_state
 from ..options import example_needed
+from ..trial import no_trace
+from . import check, local_sizes
+from .plan import owner_of, without_ties
+from .styles import LocalShards, experts, make, own_parameters
 
-_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}
 
-
-def _parents(plan: dict[str, str]) -> list[str]:
-    """The first module of each kind that holds planned layers (blocks.0.attn, blocks.0.mlp, ...)."""
-    seen: list[str] = []
+def _blocks(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
+    """Blocks (parents of planned layers) by kind, in order: the first of each kind is the one checked."""
+    kinds: dict[type, list[str]] = {}
     for name in plan:
+        if owner_of(plan, name) is not None:
+            continue
         parent = name.rpartition(".")[0]
-        if parent not in seen:
-            seen.append(parent)
-    return seen
+        same = kinds.setdefault(type(model.get_submodule(parent)), [])
+        if parent not in same:
+            same.append(parent)
+    return {names[0]: names for names in kinds.values()}
 
 
-def apply_tp(model: nn.Module, mesh: Any, plan: dict[str, str], example: Any) -> nn.Module:
-    """Shard the planned Linears of `model` in place over the tensor mesh, then check them on `example`."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _sharder(mesh: Any, plan: dict[str, str], prefix: str) -> check.Shard:
+    """shard(module, {name inside it: style}) for blocks under `prefix` in the model (expert weights' declared styles
+    are read from the plan by their full names)."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
+    def shard(module: nn.Module, styles: dict[str, str]) -> None:
+        own = {n: s for n, s in styles.items() if n in module._parameters}  # the module's own (a sink per head)
+        for name, style in styles.items():
+            if name in own:
+                continue
+            layer = module.get_submodule(name)
+            full = f"{prefix}{name}"
+            if style == "experts":
+                declared = {n.rpartition(".")[2]: s for n, s in plan.items() if owner_of(plan, n) == full}
+                parallelize_module(layer, mesh, experts(layer, full, declared))
+            else:
+                parallelize_module(layer, mesh, make(style, layer, full))
+        if own:  # after its layers: its forward, run on its own local pieces, calls theirs
+            parallelize_module(module, mesh, own_parameters(module, prefix.rstrip(".") or "the model", own))
+
+    return shard
+
+
+def apply_tp(model: nn.Module, mesh: Any, plan: dict[str, str], example: Any) -> tuple[dict[str, str], list[str]]:
+    """Shard the planned layers of `model` in place over the tensor mesh, checked on `example`; returns the plan as
+    applied (fused projections resolved) and what the check settled, in words (fused projections' layout, size
+    attributes set to the rank's share)."""
     if example is None:
         raise example_needed("tensor parallelism", "each sharded block is checked against the whole block")
-    kinds: dict[type, str] = {}
-    for parent in _parents(plan):
-        kinds.setdefault(type(model.get_submodule(parent)), parent)
-    originals = {name: copy.deepcopy(model.get_submodule(name)) for name in kinds.values()}
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.items()})
-    check(model, originals, plan, example)
-    return model
+    with torch.compiler.set_stance("force_eager"):  # the checks' forwards compile nothing the training would not
+        return _apply(model, mesh, plan, example)
 
 
-def check(model: nn.Module, originals: dict[str, nn.Module], plan: dict[str, str], example: Any) -> None:
-    """One no-grad forward in eval mode; each checked block's sharded output against its unsharded copy."""
-    seen: dict[str, tuple[Any, Any, Any]] = {}
-    handles = [model.get_submodule(name).register_forward_hook(
-        lambda m, a, k, out, n=name: seen.setdefault(n, (a, k, out)) and None, with_kwargs=True)
-        for name in originals]
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(example)
-    except Exception as exc:
-        where = _raised_in(model, originals, exc.__traceback__) or next(iter(originals))
-        raise _refusal(where, plan, f"its forward failed on the sharded layers ({type(exc).__name__}: {exc})") \
-            from exc
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was)
-    for name, (a, k, out) in seen.items():
-        whole = originals[name].to(_device_of(out))
-        whole.eval()
-        with torch.no_grad():
-            want = whole(*a, **k)
-        diff = _max_diff(out, want)
-        if diff is None or diff > _TOLERANCE.get(_dtype_of(out), 1e-2):
-            said = "its outputs differ in structure" if diff is None else f"its output differs by {diff:.3g}"
-            raise _refusal(name, plan, f"{said} from the unsharded block on the same input")
+def _apply(model: nn.Module, mesh: Any, plan: dict[str, str], example: Any) -> tuple[dict[str, str], list[str]]:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    plan, notes = without_ties(model, plan)
+    if not plan:
+        raise ParatrainError(f"tensor parallelism has nothing to shard in {type(model).__name__}: {'; '.join(notes)}; "
+                             "name its attention and MLP layers in setup(tp_plan=...), or use a data-parallel layout")
+    blocks = _blocks(model, plan)
+    seen, whole = check.capture(model, list(blocks), example)
+    missing = [name for name, s in seen.items() if s.args is None]
+    if missing:
+        raise check.refusal(missing[0], plan, "the example batch's forward never runs it, so it cannot be checked")
+    calls = step_state.active().random_calls
+    drawn = _trained(model, example, calls, record=True)
+    device = torch.device(mesh.device_type)
+    chosen = check.choose(model, plan, seen, tp, rank, mesh.get_group(), _sharder(mesh, plan, ""),
+                          lambda ok: _agree(ok, device))
+    applied = dict(plan)
+    for first, names in blocks.items():
+        choice = chosen[first]
+        for name in names:
+            prefix = f"{name}." if name else ""
+            inside = check.resolved(check._inside(plan, name), choice.way)
+            applied.update({f"{prefix}{n}": style for n, style in inside.items()})
+            _sharder(mesh, plan, prefix)(model.get_submodule(name), inside)
+            if choice.sizes:
+                local_sizes.scale(model.get_submodule(name), choice.sizes)
+            for param in choice.partial:  # whole weights computed on the local heads: their gradients summed
+                owner, _, attr = f"{prefix}{param}".rpartition(".")
+                parallelize_module(model.get_submodule(owner), mesh, LocalShards({}, sum_grads=frozenset({attr})))
+        kind = type(model.get_submodule(first)).__name__
+        if choice.partial:
+            notes.append(f"{kind}: the gradients of {', '.join(choice.partial)} (computed on the local heads) summed "
+                         "over the tensor ranks")
+        if choice.sizes:
+            notes.append(local_sizes.describe(kind, choice.sizes))
+        fused = [n for n, s in check._inside(plan, first).items() if s == "fused"]
+        if fused:
+            layout = "packed per part" if choice.way.fused == "packed_colwise" else "interleaved per head"
+            notes.append(f"{kind}.{', '.join(fused)} fused, {layout}")
+    _check_whole(model, plan, example, whole, tp, rank)
+    if drawn is not None:
+        calls.tp_rank, calls.tp = rank, tp
+        diff = check.max_diff(_trained(model, example, calls, record=False), drawn, rank, tp)
+        if diff is None or diff > 1e-3 * max(1.0, _scale(drawn)):
+            raise ParatrainError(
+                f"tensor parallelism: {type(model).__name__} in training mode computes other values sharded than "
+                f"whole on the example batch (by {diff if diff is None else f'{diff:.3g}'}), although it matches in "
+                "eval mode: a random call of its forward draws differently on a slice (docs/parallelism.md, "
+                "Randomness); set its probability to 0, or use a data-parallel layout")
+    return applied, notes
 
 
-def _raised_in(model: nn.Module, originals: dict[str, nn.Module], tb: TracebackType | None) -> str | None:
-    """The checked block whose forward was running when the error was raised (the innermost one)."""
-    blocks = {id(model.get_submodule(name)): name for name in originals}
-    found = None
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if id(owner) in blocks:
-            found = blocks[id(owner)]
-        tb = tb.tb_next
-    return found
-
-
-def _refusal(name: str, plan: dict[str, str], what: str) -> ParatrainError:
-    layers = ", ".join(n for n in plan if n.rpartition(".")[0] == name or n.startswith(f"{name}."))
-    block = name or "the model's own forward"
-    return ParatrainError(
-        f"tensor parallelism cannot shard {block} ({layers}): {what}. Each rank holds 1/tp of the heads and "
-        "features, so a forward must not hard-code the full sizes: reshape with view(b, t, -1, head_dim) "
-        "instead of view(b, t, self.heads, c // self.heads), and split fused projections by their local size; "
-        "or pass setup(tp_plan=...) without this block")
-
-
-def _device_of(value: Any) -> torch.device:
-    tensors = tensors_in(value)
-    return tensors[0].device if tensors else torch.device("cpu")
-
-
-def _dtype_of(value: Any) -> torch.dtype:
-    tensors = tensors_in(value)
-    return tensors[0].dtype if tensors else torch.float32
-
-
-def _max_diff(got: Any, want: Any) -> float | None:
-    a, b = tensors_in(got), tensors_in(want)
-    if len(a) != len(b):
+def _trained(model: nn.Module, example: Any, calls: Any, record: bool) -> Any:
+    """The model's output on the example in training mode, random calls drawn by the rule (recording the whole
+    model's shapes when `record`), leaving no trace; None when nothing in it draws."""
+    if calls is None:
         return None
-    worst = 0.0
-    for x, y in zip(a, b, strict=True):
-        x = x.full_tensor() if hasattr(x, "full_tensor") else x
-        y = y.full_tensor() if hasattr(y, "full_tensor") else y
-        if x.shape != y.shape:
-            return None
-        worst = max(worst, (x.float() - y.float()).abs().max().item() if x.numel() else 0.0)
-    return worst
+    with no_trace([model]), torch.no_grad(), check._train(model):
+        if record:
+            with calls.recorded(), calls.active(example):
+                out = model(example)
+            return out if calls.whole or calls.other else None
+        with calls.active(example):
+            return model(example)
+
+
+def _agree(passed: list[bool], device: torch.device) -> list[bool]:
+    """What passed on every rank (the ranks must shard alike, whatever their examples)."""
+    flags = collectives.all_reduce(torch.tensor([float(p) for p in passed]), "min", device=device)
+    return [bool(f) for f in flags.tolist()]
+
+
+def _check_whole(model: nn.Module, plan: dict[str, str], example: Any, whole: Any, tp: int, rank: int) -> None:
+    """The sharded model on the example, against its unsharded output: code outside the checked blocks (the other
+    blocks of a kind, the model's own forward) must be right too."""
+    try:
+        with check._eval(model), torch.no_grad():
+            out = model(example)
+    except Exception as exc:
+        blocks = [name for names in _blocks(model, plan).values() for name in names]
+        where = check.raised_in(model, blocks, exc)
+        raise check.refusal(where, plan, f"its forward fails on the sharded layers: {check.raised_at(exc)}") from exc
+    diff = check.max_diff(out, whole, rank, tp)
+    if diff is None or diff > 1e-3 * max(1.0, _scale(whole)):
+        said = "differs in structure" if diff is None else f"differs by {diff:.3g}"
+        raise ParatrainError(
+            f"tensor parallelism: {type(model).__name__}'s output on the example batch {said} from the unsharded "
+            "model's, although each checked block matched its whole one: a later block of the same kind, or the "
+            "model's own forward, computes with the whole sizes; pass setup(tp_plan=...) naming only the blocks "
+            "that shard")
+
+
+def _scale(value: Any) -> float:
+    from ..._tree import tensors_in
+
+    tensors = [t for t in tensors_in(value) if t.is_floating_point() and t.numel()]
+    return max((float(t.abs().max()) for t in tensors), default=1.0)

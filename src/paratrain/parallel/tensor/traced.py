@@ -45,10 +45,13 @@ def local_layers(model: nn.Module, plan: dict[str, str]) -> Iterator[None]:
     """While tracing: every planned layer is a plain Linear holding this rank's shard of its weights."""
     real: dict[str, nn.Module] = {}
     try:
-        for name in plan:
+        for name in sorted(plan, key=lambda n: plan[n] in ("colwise", "rowwise")):  # refusals first
             parent, attr = _parent(model, name)
-            layer = parent._modules[attr]
-            assert isinstance(layer, nn.Linear)  # check_plan refused anything else
+            layer = parent._modules.get(attr)
+            if not isinstance(layer, nn.Linear) or plan[name] in ("packed_colwise", "experts", "partial_grad"):
+                what = type(layer).__name__ if layer is not None else "a parameter"
+                raise _unplanned(name, f"it is {what} sharded {plan[name]}, which computes on its local pieces "
+                                 "outside the trace")
             weight = _local(layer.weight)
             assert weight is not None
             stand_in = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
