@@ -28,6 +28,8 @@ from .observe import Breakdown, MetricLog
 from .parallel import activation_checkpoint
 from .parallel import compile as compile_blocks
 from .parallel.microbatch import batch_size
+from .parallel.random_calls import RandomCalls
+from .parallel.random_calls import watch as watch_random_calls
 from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
 from .parallel.step_state import activate
 from .precision import apply_autocast, make_scaler
@@ -129,16 +131,21 @@ class Run:
             units = activation_checkpoint.blocks(model)
             activation_checkpoint.apply(units, checkpointing)
             compile_blocks.apply(units, compiling, self.device)
+        self.step.state.random_calls = calls = RandomCalls(model)
         wrapped = self.strategy.wrap(model, self.ctx, example)
         if self.strategy.microbatched:  # the blocks were traced into stages: per layer of a stage
             units = activation_checkpoint.stages(wrapped)
             activation_checkpoint.apply(units, checkpointing)
             compile_blocks.apply(units, compiling, self.device)
-        wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
+        wrapped = apply_autocast(watch_random_calls(wrapped, calls), self.config.precision, self.device.type)
         self.step.track(wrapped)
         self.timing.track(wrapped)
         self._metrics.start(None, self.step.count)  # step time and rates count from here, not from setup
-        _seed(self.config.seed + 1 + self.rank)  # weights are built; from here on randomness differs per rank
+        # Weights are built; from here on torch's generator differs per data-parallel replica, and only there: the
+        # ranks of one tensor-parallel group (and of one pipeline) see the same rows, so a random op outside
+        # paratrain's layout-independent draws (`randomness`) draws the same numbers on each of them, and weights
+        # the group replicates stay identical.
+        _seed(self.config.seed + 1 + self.strategy.data_shard(self.ctx)[0])
         if optimizer is None:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))

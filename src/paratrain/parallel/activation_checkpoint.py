@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import _forwards
 from ..errors import ParatrainError
-from . import randomness
+from . import random_calls, randomness, step_state
 
 Mode = Literal["none", "selective", "full"]
 REASON = "activation checkpointing"
@@ -60,6 +60,7 @@ class _Recompute:
 
     def __enter__(self) -> None:
         self.stack.enter_context(randomness.replaying(self.at))
+        self.stack.enter_context(random_calls.replaying(step_state.active().random_calls))
         self.stack.enter_context(self.inner)
 
     def __exit__(self, *exc: object) -> None:

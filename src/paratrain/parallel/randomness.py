@@ -13,10 +13,9 @@ loader) and a micro-batch further in (set by the pipeline engines). The layer is
 path in the user's model (plus which call of it this is), or, for a traced model, the path torch.export
 records for the dropout op: both name the same layer, so every strategy draws the same masks.
 
-What is covered: `nn.Dropout` (and `Dropout1d/2d/3d`, whole channels) modules everywhere, and dropout
-ops inside traced models. Dropout called as a function inside a module (F.dropout, or a nonzero
-`dropout_p` of scaled_dot_product_attention) is refused by the pipelines and draws from torch's
-generator under the other strategies.
+What is covered here: `nn.Dropout` (and `Dropout1d/2d/3d`, whole channels) modules everywhere, and their ops inside
+traced models. Random functions a module calls (F.dropout, bernoulli_, rand, an attention's dropout_p) draw from
+the same hash through `random_calls` (eager forwards) and `pipeline.graph_randomness` (traced stages).
 """
 
 from __future__ import annotations
@@ -116,22 +115,33 @@ def _base(key: str, call: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "little")
 
 
-def keep_mask(shape: torch.Size, p: float, key: str, call: int, device: torch.device,
-              rows_before: int | None = None) -> torch.Tensor:
-    """True where an element of a (rows, ...) tensor is kept; rows are numbered from `rows_before`."""
+def bits(shape: torch.Size, key: str, call: int, device: torch.device, rows_before: int | None = None,
+         cols: torch.Tensor | None = None, by_rows: bool = True) -> torch.Tensor:
+    """Uniform 32-bit integers (int64 values below 2**32) for a (rows, ...) tensor of layer `key`'s `call`-th draw:
+    rows are numbered from `rows_before`, an element's column is its position in its row (`cols`: the positions a
+    rank's slice of a wider row holds). `by_rows=False`: the tensor is not per sample, and is drawn as one row 0."""
+    if not by_rows:
+        shape, rows_before = torch.Size((1, *shape)), 0
     rows = shape[0]
     per_row = 1
     for d in shape[1:]:
         per_row *= d
     start = _at().rows_before if rows_before is None else rows_before
     row = torch.arange(start, start + rows, device=device, dtype=torch.int64).view(rows, 1)
-    col = torch.arange(per_row, device=device, dtype=torch.int64).view(1, per_row)
-    bits = _mix(_mix(col ^ _base(key, call)) ^ ((row * _ROW_MIX) & _MASK32))
+    col = torch.arange(per_row, device=device, dtype=torch.int64) if cols is None else cols.to(device)
+    col = col.view(1, per_row)
+    return _mix(_mix(col ^ _base(key, call)) ^ ((row * _ROW_MIX) & _MASK32))
+
+
+def keep_mask(shape: torch.Size, p: float, key: str, call: int, device: torch.device,
+              rows_before: int | None = None, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """True where an element of a (rows, ...) tensor is kept; rows are numbered from `rows_before`."""
     threshold = min(int(p * 2**32), 2**32)
-    return (bits >= threshold).view(shape)
+    return (bits(shape, key, call, device, rows_before, cols) >= threshold).view(shape)
 
 
-def dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0, channels: bool = False) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0, channels: bool = False,
+            cols: torch.Tensor | None = None) -> torch.Tensor:
     """Dropout of `x` with the layout-independent mask of layer `key` (its `call`-th use in a forward).
     `channels` drops whole channels (dims 0-1 of the mask, as Dropout1d/2d/3d do)."""
     if not train or p == 0.0:
@@ -139,13 +149,16 @@ def dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0, cha
     if p >= 1.0:
         return x * 0.0
     shape = x.shape[:2] if channels else x.shape
-    keep = keep_mask(shape, p, key, call, x.device)
+    calls = active().random_calls
+    if cols is None and calls is not None:  # a tensor-parallel rank's slice draws the whole tensor's mask there
+        cols = calls.cols(key, call, tuple(shape[1:]))
+    keep = keep_mask(shape, p, key, call, x.device, cols=cols)
     if channels:
         keep = keep.view(*shape, *([1] * (x.dim() - 2)))
     return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
 
 
-def _next_call(key: str) -> int:
+def next_call(key: str) -> int:
     at = _at()
     slot = (key, at.step, at.rows_before)
     call = at.calls.get(slot, 0)
@@ -157,7 +170,7 @@ _CHANNEL_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 
 
 def _draw(module: nn.Module, key: str, x: torch.Tensor, channels: bool) -> torch.Tensor:
-    return dropout(x, module.p, module.training, key, _next_call(key), channels)  # type: ignore[arg-type]
+    return dropout(x, module.p, module.training, key, next_call(key), channels)  # type: ignore[arg-type]
 
 
 def _draws() -> tuple[Any, Any]:

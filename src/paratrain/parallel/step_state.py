@@ -47,6 +47,8 @@ class StepState:
     """Deferred BatchNorm sums of the current step, by layer (`batchnorm._Pending`)."""
     reductions: list[torch.Tensor] = field(default_factory=list)
     """Reductions started by `collectives.mean_later` whose result nobody has read yet."""
+    random_calls: Any = None
+    """The run's `random_calls.RandomCalls`: random functions a forward calls, drawn by the layout-independent rule."""
     eager_draws: tuple[Any, Any] | None = None
     """Set when the run compiles: dropout's draws wrapped to run eagerly inside compiled code (`randomness`)."""
     batches: Iterator[int] = field(default_factory=lambda: itertools.count(1))
