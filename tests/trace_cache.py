@@ -92,9 +92,7 @@ def _program(key: str, model: nn.Module, example: Any, training: bool) -> Any:
 
 def _trace(model: nn.Module, example: Any, training: bool) -> Any:
     CACHE.traces += 1
-    with tracing._plain_modules(model, training):
-        return torch.export.export(model, (example,), dynamic_shapes=tracing.dynamic_shapes(model, example),
-                                   strict=False)
+    return tracing.exported(model, example, training)  # as the library traces (modes, no key/value cache)
 
 
 class _CachedHints:

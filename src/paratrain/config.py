@@ -92,8 +92,10 @@ class Config:
     """Devices of the stages of a single-process model-parallel run (strategy "mp")."""
     devices_per_worker: int = 1
     """Devices each process owns ("ddp+mp")."""
-    microbatches: int | Literal["auto"] = 1
-    """Micro-batches per step for pipelined strategies, or "auto" to measure and pick."""
+    microbatches: int | Literal["auto"] | None = None
+    """Micro-batches per step for pipelined strategies, or "auto" to measure and pick. None (unset): one for `mp` and
+    `ddp+mp` (plain model parallelism), and for pipelines across processes the fewest equal micro-batches of the
+    batch that the schedule runs (1F1B: one per stage); with schedule="auto", searched as "auto" is."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule for "pp" and "ddp+pp"; "auto" measures the schedules that run this layout (1f1b,
     zero-bubble, gpipe with one stage per worker; interleaved ones with several) with the micro-batch search."""
@@ -167,7 +169,7 @@ def validate(cfg: Config) -> Config:
         raise ParatrainError(f"profile must be True or False, got {cfg.profile!r}")
     if cfg.progress is not None and not isinstance(cfg.progress, bool):
         raise ParatrainError(f"progress must be True, False or None (on a terminal only), got {cfg.progress!r}")
-    if cfg.microbatches != "auto" and (not isinstance(cfg.microbatches, int) or cfg.microbatches < 1):
+    if cfg.microbatches not in ("auto", None) and (not isinstance(cfg.microbatches, int) or cfg.microbatches < 1):
         raise ParatrainError(f"microbatches must be a positive int or 'auto', got {cfg.microbatches!r}")
     if cfg.split_points is not None:
         if not isinstance(cfg.split_points, list) or not cfg.split_points or any(

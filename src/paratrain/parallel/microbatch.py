@@ -175,9 +175,11 @@ def sweep(measure: Callable[[int], float], candidates: Sequence[int]) -> Search:
                   seconds=time.perf_counter() - start, method="sweep")
 
 
-def pipeline_bound(stages: int, microbatches: int | str) -> float:
+def pipeline_bound(stages: int, microbatches: int | str | None) -> float:
     """The best speedup of a K-stage pipeline of M micro-batches over one device: K*M/(M+K-1), the bubble
-    being K-1 of its M+K-1 slots ("auto": the limit K that many micro-batches approach)."""
+    being K-1 of its M+K-1 slots ("auto": the limit K that many micro-batches approach; None: one)."""
+    if microbatches is None:
+        microbatches = 1
     if not isinstance(microbatches, int):
         return float(stages)
     return stages * microbatches / (microbatches + stages - 1)

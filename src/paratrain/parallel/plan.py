@@ -18,7 +18,8 @@ from .pipeline.memory import StageMemory
 class Plan:
     strategy: str
     stages: int
-    microbatches: int | str
+    microbatches: int | str | None
+    """The count, "auto" until measured, None until the first step chooses the default (`ScheduleRow.fewest`)."""
     schedule: str | None = None
     balance: list[int] | None = None
     layer_costs: list[LayerCost] | None = None

@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import ParatrainError
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
+from ..parallel.pipeline import schedules
 from ..parallel.pipeline.pipelining import PipelineModule, evaluate, global_loss
 from .base import Backward, Context, LossFn
 
@@ -42,7 +43,11 @@ class Pipeline:
         check_pipeline(ctx.config, world, "strategy 'pp'")
 
     def bound(self, ctx: Context) -> float:
-        return pipeline_bound(ctx.placement.world_size, ctx.config.microbatches)
+        cfg, world = ctx.config, ctx.placement.world_size
+        unset = cfg.microbatches is None and cfg.schedule != "auto"  # at least the fewest the schedule runs
+        fewest = schedules.row(cfg.schedule).min_microbatches(world, cfg.stages_per_worker) if unset else None
+        count = fewest if fewest is not None else cfg.microbatches
+        return pipeline_bound(world, count)
 
     def devices(self, ctx: Context) -> list[torch.device]:
         return [ctx.device]

@@ -10,15 +10,14 @@ before it. A segment is the run of nodes from one layer's first node to the next
 Values cross from one segment to the next as a flat tuple: everything defined before the cut and used
 after it, so several values (token and position embeddings), values that skip over segments (a
 residual, an attention mask every block reads) and dicts or tuples (flattened to their tensors) all
-pass. An integer the graph computed from a batch size (`b = x.size(0)` before `x.view(b, t, h, d)`) is
-not sent but read again from a tensor that crosses with it, so the graph stays valid at any batch size.
+pass. An integer the graph computed from a batch size (`b = x.size(0)` before `x.view(b, t, h, d)`, or
+`b * heads`) is not sent but computed again from the sizes of the tensors that cross with it, so the graph
+stays valid at any batch size; any other integer crosses as a 0-d tensor (`crossing`).
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,17 +25,21 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from ...errors import ParatrainError
-from .. import randomness
 from ..batchnorm import defer_graph
-from .tracing import Traced, module_path, module_types
+from . import graph_randomness
+from .crossing import Crossing, crossing, receive, send
+from .tracing import Traced, module_path
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-_DROPOUTS = (torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default)
-_ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default,)
 
 
 def _holds_container(module: nn.Module) -> bool:
     return any(isinstance(m, CONTAINERS) for m in module.modules() if m is not module)
+
+
+def _holds_layers(module: nn.Module) -> bool:
+    """A module the cuts go inside (`unit_paths` descends into it): a segment holds its tensors, not all of it."""
+    return isinstance(module, CONTAINERS) or _holds_container(module)
 
 
 def unit_paths(model: nn.Module, prefix: str = "") -> list[str]:
@@ -90,19 +93,7 @@ def assign(gm: fx.GraphModule, order: list[str]) -> dict[fx.Node, int]:
     return out
 
 
-@dataclass
-class _Boundary:
-    sent: list[fx.Node] = field(default_factory=list)
-    """Values passed to the next segment, in this order."""
-    reread: dict[fx.Node, tuple[fx.Node, int]] = field(default_factory=dict)
-    """Integers recomputed after the cut as `tensor.size(dim)` of a sent tensor."""
-
-
-def _expr(size: Any) -> str:
-    return str(size.node.expr) if isinstance(size, torch.SymInt) else str(size)
-
-
-def _boundaries(gm: fx.GraphModule, seg: dict[fx.Node, int], count: int) -> list[_Boundary]:
+def _boundaries(gm: fx.GraphModule, seg: dict[fx.Node, int], count: int) -> list[Crossing]:
     """What crosses each of the `count - 1` cuts."""
     values = [n for n in gm.graph.nodes if _is_value(n)]
     defined = {n: (-1 if n.op == "placeholder" else seg[n]) for n in values}
@@ -111,69 +102,11 @@ def _boundaries(gm: fx.GraphModule, seg: dict[fx.Node, int], count: int) -> list
         return max((count if u.op == "output" else seg.get(u, -1) for u in node.users), default=-1)
 
     uses = {n: last_use(n) for n in values}
-    out = []
-    for k in range(count - 1):
-        live = [n for n in values if defined[n] <= k < uses[n]]
-        boundary = _Boundary()
-        tensors = [n for n in live if isinstance(n.meta.get("val"), torch.Tensor)]
-        for node in live:
-            val = node.meta.get("val")
-            if isinstance(val, torch.SymInt):
-                source = next(((t, d) for t in tensors for d, size in enumerate(t.meta["val"].shape)
-                               if _expr(size) == _expr(val)), None)
-                if source is not None:
-                    boundary.reread[node] = source
-                    continue
-            boundary.sent.append(node)
-        out.append(boundary)
-    return out
+    return [crossing([n for n in values if defined[n] <= k < uses[n]]) for k in range(count - 1)]
 
 
-def _rewrite_randomness(gm: fx.GraphModule, model_name: str) -> None:
-    """Dropout ops become paratrain's layout-independent dropout, keyed by the layer's path; dropout a
-    module calls as a function (not an nn.Dropout) is refused, as its masks could not follow the layer."""
-    calls: dict[str, int] = {}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target in _ATTENTION and len(node.args) > 4 and node.args[4]:
-            raise _functional_dropout(node, model_name, "scaled_dot_product_attention(dropout_p>0)")
-        if node.target not in _DROPOUTS:
-            continue
-        x, p, train = node.args[:3]
-        paths, kinds = module_path(node), module_types(node)
-        key = paths[-1] if paths else ""
-        if not (kinds and _is_dropout_module(kinds[-1])) and train and p:
-            raise _functional_dropout(node, model_name, "a dropout function (F.dropout)")
-        call = calls.get(key, 0)
-        calls[key] = call + 1
-        channels = node.target is torch.ops.aten.feature_dropout.default
-        with gm.graph.inserting_after(node):
-            new = gm.graph.call_function(randomness.graph_dropout, (x, p, train, key, call, channels))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-    gm.recompile()
-
-
-def _is_dropout_module(kind: Any) -> bool:
-    """nn_module_stack names classes by their qualified name (or holds the class itself)."""
-    name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
-    return name.startswith("torch.nn.modules.dropout.") and name.rsplit(".", 1)[-1] in (
-        "Dropout", "Dropout1d", "Dropout2d", "Dropout3d")
-
-
-def _functional_dropout(node: fx.Node, model_name: str, what: str) -> ParatrainError:
-    where = ".".join(p for p in module_path(node)[-1:] if p) or model_name
-    return ParatrainError(
-        f"{model_name}.{where} calls {what} while training; a pipeline keeps dropout masks independent of "
-        "which stage runs a layer only for nn.Dropout modules: call an nn.Dropout module there, set that "
-        "dropout probability to 0, or use a data-parallel strategy"
-    )
-
-
-def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary | None,
-                   outputs: _Boundary | None, training: bool) -> fx.GraphModule:
+def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: Crossing | None,
+                   outputs: Crossing | None, training: bool) -> fx.GraphModule:
     """The nodes of one segment as a graph: inputs are the sent values (or the model's flat inputs).
 
     A sent value that the segment also uses itself (a residual cut between a block's two halves) is sent
@@ -182,17 +115,6 @@ def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary |
     the value as the segment's own nodes saved it."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    if inputs is None:
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = graph.placeholder(node.name)
-                env[node].meta = dict(node.meta)
-    else:
-        for node in inputs.sent:
-            env[node] = graph.placeholder(node.name)
-            env[node].meta = dict(node.meta)
-        for node, (tensor, dim) in inputs.reread.items():
-            env[node] = graph.call_function(torch.ops.aten.sym_size.int, (env[tensor], dim))
 
     def lookup(node: fx.Node) -> fx.Node:
         if node not in env:
@@ -201,6 +123,13 @@ def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary |
             env[node] = graph.get_attr(node.target)  # type: ignore[arg-type]
         return env[node]
 
+    if inputs is None:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = graph.placeholder(node.name)
+                env[node].meta = dict(node.meta)
+    else:
+        receive(graph, inputs, env, lookup)
     for node in nodes:
         env[node] = graph.node_copy(node, lookup)
     if outputs is None:
@@ -214,7 +143,7 @@ def _segment_graph(gm: fx.GraphModule, nodes: list[fx.Node], inputs: _Boundary |
                 return graph.call_function(torch.clone, (lookup(node),))
             return lookup(node)
 
-        graph.output(tuple(sent(n) for n in outputs.sent))
+        graph.output(send(graph, outputs, sent, lookup))
     graph.lint()
     return fx.GraphModule(gm, graph)
 
@@ -313,12 +242,13 @@ class GraphSegment(nn.Module):
         # shallower modules first, so a parent is the user's module rather than an empty one made for a child
         for target in sorted(set(targets) | layers, key=lambda t: (t.count(".") + (t in layers), t)):
             owner, _, attr = target.rpartition(".")
+            holder = model.get_submodule(owner) if owner else model
             if target in layers:
                 _attach(self, target, model.get_submodule(target))
-            elif owner:
-                _attach(self, owner, model.get_submodule(owner))
-            else:  # a tensor of the model itself: register that tensor alone
-                _attach_tensor(self, target, getattr(model, attr), model)
+            elif owner and not _holds_layers(holder):
+                _attach(self, owner, holder)
+            else:  # a tensor of the model itself, or of a module holding layers (ViT's encoder.pos_embedding): that
+                _attach_tensor(self, target, getattr(holder, attr), model)  # tensor alone, not the layers around it
         used = {id(self.get_parameter(t)) if _is_param(model, t) else None for t in targets} - {None}
         for name, p in model.named_parameters(remove_duplicate=False):  # other names of a tied weight
             if id(p) in used and not _has(self, name):
@@ -405,7 +335,7 @@ def traced_segments(model: nn.Module, traced: Traced, defer_batchnorm: bool = Fa
     graphs: dict[bool, list[fx.GraphModule]] = {}
     specs: dict[bool, Any] = {}
     for training, gm in ((True, traced.train), (False, traced.eval)):
-        _rewrite_randomness(gm, name)
+        graph_randomness.rewrite(gm, name)
         if defer_batchnorm:
             defer_graph(gm, lambda node: (module_path(node) or [""])[-1])
         seg = assign(gm, order)
@@ -422,4 +352,4 @@ def traced_segments(model: nn.Module, traced: Traced, defer_batchnorm: bool = Fa
             for k, unit in enumerate(order)]
 
 
-__all__ = ["GraphSegment", "traced_segments", "unit_paths", "operator"]
+__all__ = ["GraphSegment", "traced_segments", "unit_paths"]

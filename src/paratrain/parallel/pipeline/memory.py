@@ -42,6 +42,15 @@ class _Held:
         self.tensor = tensor
 
 
+def _held_data(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds the data: a DTensor's local piece, or the result inside torch's
+    AsyncCollectiveTensor (a tensor-parallel layer's all-reduced output, which has no storage of its own)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    local = local_part(tensor)
+    return local.elem if isinstance(local, AsyncCollectiveTensor) else local
+
+
 class ActivationMeter:
     """Live and peak bytes of distinct storages saved for backward while active.
 
@@ -62,7 +71,7 @@ class ActivationMeter:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
             return tensor
-        storage = local_part(tensor).untyped_storage()
+        storage = _held_data(tensor).untyped_storage()
         key = storage.data_ptr()
         if key in self._skip or key == 0:
             return tensor

@@ -52,12 +52,14 @@ def clock_cycles(microbatches: int, stages: int) -> list[list[tuple[int, int]]]:
 class MPPipeline(nn.Module):
     """The user's model split over `devices`; trains like the model itself (`pipe(x)` -> output)."""
 
-    def __init__(self, model: nn.Module, devices: Sequence[torch.device], microbatches: int | str = 1,
+    def __init__(self, model: nn.Module, devices: Sequence[torch.device], microbatches: int | str | None = 1,
                  balance: Sequence[int] | Sequence[str] | str = "time", example: Any = None, *, strategy: str = "mp",
                  verbose: bool = True, agree: Callable[[list[float]], list[float]] | None = None,
                  batchnorm: str = "exact") -> None:
-        """`agree` makes processes that each hold a replica (ddp+mp) measure, and so split, identically."""
+        """`agree` makes processes that each hold a replica (ddp+mp) measure, and so split, identically.
+        `microbatches` None (unset) is one: the tutorials' plain model parallelism."""
         super().__init__()
+        microbatches = 1 if microbatches is None else microbatches
         self.model = model
         self.devices = [torch.device(d) for d in devices]
         self.microbatches: int | str = microbatches

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..._tree import map_tensors
-from ...collectives import max_over_world, mean_over_world
+from ...collectives import max_over_world
 from ...errors import ParatrainError
 from .. import batchnorm
 from ..batchnorm import check_microbatches
@@ -39,6 +39,7 @@ from ..options import example_needed
 from ..plan import Plan
 from ..trial import step_time
 from . import clip_guard, schedules
+from .agreement import Agreement, agreed
 from .balance import choose_balance, describe
 from .memory import StageMemory, format_report, in_flight, param_bytes, watch_stages
 from .partition import Stage, layers_of, merged, split_into_stages
@@ -61,6 +62,16 @@ def _pipeline_stage_class() -> type:
             with stage.unobserved():
                 return super()._forward_metadata_inference(*args, **kwargs)
 
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            """A later stage learns its shapes by running on tensors made from the previous stage's metadata, which
+            torch leaves uninitialised: token ids received there (an encoder-decoder's decoder inputs) would index an
+            embedding with whatever the memory held, failing on that rank alone. Zeros are valid ids and masks."""
+            out = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):
+                with torch.no_grad():
+                    out.zero_()
+            return out
+
     return QuietStage
 
 
@@ -78,7 +89,7 @@ class PipelineModule(nn.Module):
     rank's summed micro-batch losses (last stage) or None (other stages)."""
 
     def __init__(self, model: nn.Module, *, schedule: str, pp_rank: int, pp: int, per_worker: int,
-                 device: torch.device, microbatches: int | str, balance: Sequence[int] | Sequence[str] | str,
+                 device: torch.device, microbatches: int | str | None, balance: Sequence[int] | Sequence[str] | str,
                  example: Any, group: Any = None, strategy: str = "pp", batchnorm: str = "exact",
                  checkpointing: str = "none", compiling: bool = False, tp_plan: dict[str, str] | None = None,
                  shard_mesh: Any = None, precision: str = "32") -> None:
@@ -91,7 +102,8 @@ class PipelineModule(nn.Module):
         self.num_stages = pp * per_worker
         self.ids = schedules.stage_indices(schedule, pp_rank, pp, per_worker)
         self.device, self.group = device, group
-        self.microbatches: int | str = microbatches
+        self.microbatches: int | str | None = microbatches
+        """None (unset): the first step's batch decides, as `schedules.ScheduleRow.fewest` says."""
         self.plan = Plan(strategy=strategy, stages=self.num_stages, microbatches=microbatches,
                          schedule=schedule, verbose=dist.get_rank() == 0)
         self._schedules: dict[Any, Any] = {}
@@ -101,7 +113,9 @@ class PipelineModule(nn.Module):
         self._meter: Any = None
         self.sync = True
         """False inside an accumulation window (pp): tied gradients are summed only when it ends."""
-        self._defer_batchnorm = check_microbatches(model, batchnorm, microbatches, f"strategy {strategy!r}")
+        unset = schedules.row(schedule).min_microbatches(pp, per_worker) if schedule != "auto" else "auto"
+        self._defer_batchnorm = check_microbatches(model, batchnorm, unset if microbatches is None else microbatches,
+                                                   f"strategy {strategy!r}")
         self.local = self._split(model, balance, example)
         self._registered = nn.ModuleList(self.local)
         if pp > 1:
@@ -118,10 +132,12 @@ class PipelineModule(nn.Module):
         if example is not None:
             example = map_tensors(lambda t: t.to(self.device), example)
             count = self.microbatches if isinstance(self.microbatches, int) else self.num_stages
+            if self.microbatches is None and self.schedule_name != "auto":  # measure what the first step will run
+                count = self._default_count(batch_size(example))
             sample = split(example, min(count, batch_size(example)))[0]
-        layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm, tp_plan=self._tp_plan)
-        balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample,
-                                        agree=lambda v: mean_over_world(v, self.device))
+        with agreed(Agreement(f"strategy {self.plan.strategy!r}")) as agreement:  # one rank's refusal is every rank's
+            layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm, tp_plan=self._tp_plan)
+            balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample, agree=agreement.mean)
         stages = split_into_stages(layers, balance)
         owner = schedules.stage_owners(self.schedule_name, self.pp, self.per_worker)
         self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
@@ -239,6 +255,10 @@ class PipelineModule(nn.Module):
             self.tied.window_starts()
         inputs, targets = (map_tensors(lambda t: t.to(self.device), v) for v in (inputs, targets))
         batch = batch_size(inputs)
+        if self.microbatches is None and self.schedule_name != "auto":
+            self.microbatches = self.plan.microbatches = self._default_count(batch)
+            self.plan.note(f"microbatches {self.microbatches} (unset: the fewest equal micro-batches of the batch that "
+                           f"{self.schedule_name} runs on {self.num_stages} stages; microbatches='auto' measures)")
         if isinstance(self.microbatches, int):
             check_even(batch, self.microbatches, f"strategy {self.plan.strategy!r}")
         if self.microbatches == "auto" or self.schedule_name == "auto":
@@ -309,6 +329,10 @@ class PipelineModule(nn.Module):
         out = self._last().rebuild(value)
         return loss_fn(out, targets).detach().float() if loss_fn is not None else out
 
+    def _default_count(self, batch: int) -> int:
+        return schedules.default_microbatches(self.schedule_name, self.pp, self.per_worker, batch,
+                                              f"strategy {self.plan.strategy!r}")
+
     def _last(self) -> Stage:
         return next(s for s in self.local if s.index == self.num_stages - 1)
 
@@ -329,15 +353,16 @@ class PipelineModule(nn.Module):
 
     def _measure_memory(self, inputs: Any, targets: Any, loss_scale: int) -> torch.Tensor | None:
         """The first real step, watched: per-stage activations of one micro-batch and the step's peak."""
+        assert isinstance(self.microbatches, int)
         with watch_stages(self.local, [s.index for s in self.local]) as (meter, first):
             self._meter = meter
             try:
-                local = self._run(inputs, targets, int(self.microbatches), loss_scale)
+                local = self._run(inputs, targets, self.microbatches, loss_scale)
             finally:
                 self._meter = None
         if self.num_stages - 1 in first:
             first[self.num_stages - 1] += self._loss_saved
-        sched, _ = self._schedule(int(self.microbatches), inputs)
+        sched, _ = self._schedule(self.microbatches, inputs)
         most, bound = in_flight(getattr(sched, "pipeline_order", None), self.pp_rank, first)
         row = StageMemory(stages=list(self.ids), params_bytes=sum(param_bytes(s) for s in self.local),
                           activation_per_microbatch_bytes=sum(first.values()), in_flight_bound=most,
@@ -348,7 +373,7 @@ class PipelineModule(nn.Module):
         pipeline = sorted((r[1:] for r in rows if r[0]), key=lambda r: r[0])
         self.plan.memory = [r[1] for r in pipeline]
         if self.plan.verbose:
-            print(format_report(self.plan.memory, self.schedule_name, int(self.microbatches)), flush=True)
+            print(format_report(self.plan.memory, self.schedule_name, self.microbatches), flush=True)
         return local
 
 

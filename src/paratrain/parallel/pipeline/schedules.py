@@ -65,6 +65,10 @@ class ScheduleRow:
     def min_microbatches(self, pp: int, per_worker: int) -> int:
         return pp * per_worker if self.needs_microbatches_per_stage else 1
 
+    def fewest(self, pp: int, per_worker: int, batch: int) -> int | None:
+        """The fewest equal micro-batches of `batch` this schedule runs (None: no count divides `batch`)."""
+        return next((m for m in range(1, batch + 1) if batch % m == 0 and self.accepts(m, pp, per_worker)), None)
+
     def check_stages(self, per_worker: int) -> None:
         if not self.multi_stage and per_worker != 1:
             raise ParatrainError(
@@ -125,10 +129,10 @@ def auto_names(per_worker: int, checkpointing: str = "none", compiling: bool = F
             and not (single and _BY_NAME[name].splits_backward)]
 
 
-def check(schedule: str, pp: int, per_worker: int, microbatches: int | str, checkpointing: str = "none",
+def check(schedule: str, pp: int, per_worker: int, microbatches: int | str | None, checkpointing: str = "none",
           compiling: bool = False) -> None:
     """Refuse a layout the schedule cannot run, before any process waits on a peer ("auto" chooses among
-    what runs, so only a named schedule and a fixed micro-batch count are checked)."""
+    what runs, and an unset count is chosen to fit, so only a named schedule and a given count are checked)."""
     if schedule == "auto":
         return
     rule = row(schedule)
@@ -138,6 +142,20 @@ def check(schedule: str, pp: int, per_worker: int, microbatches: int | str, chec
     rule.check_stages(per_worker)
     if isinstance(microbatches, int):
         rule.check_microbatches(pp, per_worker, microbatches)
+
+
+def default_microbatches(schedule: str, pp: int, per_worker: int, batch: int, where: str) -> int:
+    """The micro-batch count when none is given: the fewest equal micro-batches of `batch` the schedule runs, so a
+    step is split no finer than the schedule needs (1F1B: one per stage; GPipe: the whole batch)."""
+    rule = row(schedule)
+    count = rule.fewest(pp, per_worker, batch)
+    if count is None:
+        least = rule.min_microbatches(pp, per_worker)
+        raise ParatrainError(
+            f"{where}: schedule {schedule!r} on {pp * per_worker} stages runs at least {least} equal micro-batches, "
+            f"which a batch of {batch} rows cannot give; use a batch divisible by {least} (e.g. {2 * least}), or "
+            "schedule='gpipe', which runs any count")
+    return count
 
 
 def stage_indices(schedule: str, pp_rank: int, pp: int, per_worker: int) -> list[int]:

@@ -6,6 +6,10 @@ of an epoch, a validation batch. Training and evaluation are traced separately, 
 `self.training`-dependent code (dropout, BatchNorm, `if self.training:` branches) at trace time; a
 stage runs the graph of its current mode, so `model.eval()` reaches every piece.
 
+A pipeline trains, so a Hugging Face model's key/value cache (`use_cache`, read from its config, True by
+default) is no output of it: the model is traced with every config's `use_cache` off, and the pipeline's
+output carries no cache (`past_key_values` None). The user's config is left as it was.
+
 Every node keeps the module path it came from (`nn_module_stack`), which is how the cut points and the
 report use the user's own names (`blocks.0` ... `blocks.3`) and how dropout layers are keyed.
 """
@@ -81,12 +85,34 @@ def _plain_modules(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = mode
 
 
-def _export(model: nn.Module, example: Any, training: bool) -> fx.GraphModule:
+@contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """Every Hugging Face config the model's modules hold with `use_cache` off, restored on exit: their
+    forwards read it from the config, and a cache object is no value a pipeline stage can pass on."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None):
+            configs[id(config)] = config
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+def exported(model: nn.Module, example: Any, training: bool) -> Any:
+    """torch.export's program of `model(example)` in `training` mode, as a pipeline traces it."""
     from torch.export import export
 
-    with _plain_modules(model, training):
-        ep = export(model, (example,), dynamic_shapes=dynamic_shapes(model, example), strict=False)
-    return ep.module()  # type: ignore[return-value]
+    with _plain_modules(model, training), _no_cache(model):
+        return export(model, (example,), dynamic_shapes=dynamic_shapes(model, example), strict=False)
+
+
+def _export(model: nn.Module, example: Any, training: bool) -> fx.GraphModule:
+    return exported(model, example, training).module()  # type: ignore[no-any-return]
 
 
 def trace(model: nn.Module, example: Any) -> Traced:
@@ -102,14 +128,60 @@ def trace(model: nn.Module, example: Any) -> Traced:
         train = _export(model, example, training=True)
         evaluation = _export(model, example, training=False)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ParatrainError(
-            f"{name} cannot be traced to be split into pipeline stages (torch.export: {type(exc).__name__}: "
-            f"{first[:300]}). Make its forward traceable (no data-dependent Python control flow), or write it "
-            "as an nn.Sequential of its layers, or use a data-parallel strategy (ddp, fsdp)"
-        ) from exc
+        raise untraceable(model, exc) from exc
     info = train.graph._codegen.pytree_info  # type: ignore[attr-defined]
     return Traced(train=train, eval=evaluation, in_spec=info.in_spec, out_spec=info.out_spec)
+
+
+def untraceable(model: nn.Module, exc: BaseException) -> ParatrainError:
+    """The refusal for a model torch.export could not trace: torch's reason, the module of the model whose code
+    raised it and that line, and the fix (for a Hugging Face mixture of experts left on the library's looping
+    "eager" experts, the library's grouped implementations, which have no data-dependent loop)."""
+    name = type(model).__name__
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    looping = _looping_experts(model)
+    if looping is None:
+        fix = ("Make that forward traceable (no data-dependent Python control flow), or write the model as an "
+               "nn.Sequential of its layers, or use a data-parallel strategy (ddp, fsdp)")
+    else:
+        owner = f"{name}.{looping}" if looping else name
+        fix = (f"Its experts run experts_implementation 'eager', a Python loop over the experts the routing picked, "
+               f"which no graph can hold: call set_experts_implementation('grouped_mm') (the library's default) or "
+               f"('batched_mm') on {owner}, or pass experts_implementation='grouped_mm' to from_pretrained; they "
+               "compute the same without the loop. Or use a data-parallel strategy (ddp, fsdp)")
+    return ParatrainError(f"{name} cannot be traced to be split into pipeline stages (torch.export: "
+                          f"{type(exc).__name__}: {first[:300]}){_culprit(model, exc)}. {fix}")
+
+
+def _culprit(model: nn.Module, exc: BaseException) -> str:
+    """` in NAME.path (Type) at file:line` for the innermost frame of the error that ran a module of `model`."""
+    names = {id(m): path for path, m in model.named_modules()}
+    found = ""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:  # the error and what caused it, innermost frames last
+        seen.add(id(error))
+        tb = error.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                code = tb.tb_frame.f_code
+                path = names[id(owner)]
+                found = (f" in {type(model).__name__}{'.' + path if path else ''} ({type(owner).__name__}) at "
+                         f"{code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}")
+            tb = tb.tb_next
+        error = error.__cause__ or error.__context__
+    return found
+
+
+def _looping_experts(model: nn.Module) -> str | None:
+    """The path of a Hugging Face model inside `model` whose experts run the library's "eager" loop, if any."""
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if (getattr(config, "_experts_implementation", None) == "eager"
+                and callable(getattr(module, "set_experts_implementation", None))):
+            return path
+    return None
 
 
 def module_path(node: fx.Node) -> list[str]:
