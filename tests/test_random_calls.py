@@ -40,7 +40,7 @@ class _Model(nn.Module):
 
 
 def _drawn(model: nn.Module, calls: random_calls.RandomCalls, x: torch.Tensor, rows_before: int) -> Any:
-    state = step_state.StepState()
+    state = step_state.StepState(random_calls=calls)
     with step_state.using(state):
         randomness.set_seed(7)
         randomness.at_micro_step(3)
@@ -112,3 +112,27 @@ def test_a_forward_that_draws_nothing_stops_the_watch() -> None:
     calls = random_calls.RandomCalls(noisy)
     random_calls.watch(noisy, calls)(torch.randn(2, 3, 4))
     assert calls.watching
+
+
+class _SequenceFirst(nn.Module):
+    """PyTorch's own transformer layer as it is built by default (batch_first=False): its dropout modules see
+    (positions, batch, features) tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x.transpose(0, 1)).transpose(0, 1)
+
+
+def test_a_sequence_first_layers_draws_follow_its_samples() -> None:
+    model = _SequenceFirst().train()
+    randomness.apply_layout_dropout(model)
+    calls = random_calls.RandomCalls(model)
+    x = torch.randn(6, 5, 8)  # (batch, positions, features); inside the layer (positions, batch, features)
+    with torch.no_grad():
+        whole = _drawn(model, calls, x, 0)
+        parts = [_drawn(model, calls, x[:2], 0), _drawn(model, calls, x[2:], 2)]
+    assert torch.allclose(whole, torch.cat(parts), atol=1e-6)  # the same masks for the same samples

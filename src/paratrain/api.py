@@ -137,7 +137,8 @@ class Run:
             units = activation_checkpoint.stages(wrapped)
             activation_checkpoint.apply(units, checkpointing)
             compile_blocks.apply(units, compiling, self.device)
-        wrapped = apply_autocast(watch_random_calls(wrapped, calls), self.config.precision, self.device.type)
+        wrapped = watch_random_calls(wrapped, calls, self.config.compiling, self.print)
+        wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)
         self.timing.track(wrapped)
         self._metrics.start(None, self.step.count)  # step time and rates count from here, not from setup

@@ -23,8 +23,10 @@ Dropout1d/2d/3d). Kept elements are scaled by 1 / (1 - p).
 
 Random functions a module calls are drawn from the same bits (docs/parallelism.md, "Randomness"): `layer` is the
 innermost module whose forward is running (here: a stack kept by forward hooks around the reference's forward,
-another mechanism than the library's), `call` counts that layer's draws in the forward. A tensor whose dim 0 is a
-multiple of the forward's batch is drawn per sample, as (batch, the rest flattened); any other as one row 0.
+another mechanism than the library's), `call` counts that layer's draws in the forward. Every draw, a module's
+included, is placed by its shape against the forward's batch (its input's first tensor's dim 0): dim 0 the batch is
+drawn per sample; else dim 1 the batch, per sample as (batch, dim 0, ...); else dim 0 a multiple of the batch, per
+sample as (batch, the rest flattened); any other as one row 0.
 F.dropout keeps as above; uniform values are (bits >> 8) * 2**-24, bernoulli draws 1 where the uniform value is
 below p, a normal value is sqrt(-2 ln(1 - u1)) * cos(2 pi u2) from two consecutive draws, and
 scaled_dot_product_attention with dropout_p drops its softmax weights as F.dropout does, computed as its math.
@@ -76,10 +78,8 @@ class _RuleDropout:
         if not m.training or m.p == 0.0:
             return x
         channels = isinstance(m, nn.Dropout1d | nn.Dropout2d | nn.Dropout3d)
-        shape = x.shape[:2] if channels else x.shape
-        call = state.calls.get(self.name, 0)
-        state.calls[self.name] = call + 1
-        keep = _bits(tuple(shape), state.seed, state.step, self.name, call, state.rows_before) >= int(m.p * 2**32)
+        shape = tuple(x.shape[:2] if channels else x.shape)
+        keep = state.drawn_bits(shape, self.name) >= int(m.p * 2**32)
         keep = keep.to(x.device)
         if channels:
             keep = keep.view(*shape, *([1] * (x.dim() - 2)))
@@ -108,13 +108,24 @@ class _RuleCalls(TorchFunctionMode):
         self.calls: dict[str, int] = {}
         """Draws of each layer in this forward."""
 
-    def _uniform_bits(self, shape: tuple[int, ...]) -> torch.Tensor:
-        layer = self.stack[-1]
+    def drawn_bits(self, shape: tuple[int, ...], layer: str) -> torch.Tensor:
+        """The bits of `layer`'s next draw of a tensor of `shape`: per sample (the sequence first where dim 1, not
+        dim 0, is the batch), or one row 0."""
         call = self.calls.get(layer, 0)
         self.calls[layer] = call + 1
-        per_sample = bool(shape) and shape[0] >= self.rows and shape[0] % self.rows == 0
-        drawn = torch.empty(shape, device="meta").reshape((self.rows, -1) if per_sample else (1, -1)).shape
-        return _bits(tuple(drawn), self.seed, self.step, layer, call, self.rows_before if per_sample else 0).view(shape)
+        seq_first = len(shape) > 1 and shape[0] != self.rows and shape[1] == self.rows
+        per_sample = seq_first or (bool(shape) and shape[0] >= self.rows and shape[0] % self.rows == 0)
+        if seq_first:  # drawn as (batch, sequence, ...)
+            moved = (shape[1], shape[0], *shape[2:])
+            bits = _bits((self.rows, int(torch.tensor(moved[1:]).prod())), self.seed, self.step, layer, call,
+                         self.rows_before)
+            return bits.view(moved).transpose(0, 1)
+        drawn = (self.rows, -1) if per_sample else (1, -1)
+        shaped = tuple(torch.empty(shape, device="meta").reshape(drawn).shape)
+        return _bits(shaped, self.seed, self.step, layer, call, self.rows_before if per_sample else 0).view(shape)
+
+    def _uniform_bits(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.drawn_bits(shape, self.stack[-1])
 
     def _uniform(self, shape: tuple[int, ...]) -> torch.Tensor:
         return (self._uniform_bits(shape) >> 8).double() * 2.0**-24
@@ -163,6 +174,9 @@ class _RuleCalls(TorchFunctionMode):
                 drawn = (value < (p.double() if isinstance(p, torch.Tensor) else p)).to(like.dtype)
                 return like.copy_(drawn) if func is torch.Tensor.bernoulli_ else drawn
             return value.to(kwargs.get("dtype") or (like.dtype if like is not None else torch.float32))
+        if getattr(func, "__module__", None) == F.__name__ and hasattr(func, "__code__"):
+            with self:  # multi_head_attention_forward and its kind: their own calls draw too
+                return torch.overrides.redispatch_function(func, types, args, kwargs)
         return func(*args, **kwargs)
 
 

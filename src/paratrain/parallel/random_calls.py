@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -55,6 +56,8 @@ _OTHER = {torch.randint, torch.randint_like, torch.randperm, torch.multinomial, 
 """Random functions drawn from torch's generator (`OTHER` calls in the docs' table)."""
 
 Shape = tuple[int, ...]
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+"""Calls a function's implementation one level below its __torch_function__ dispatch (torch >= 2.10)."""
 
 
 class RandomCalls:
@@ -64,6 +67,7 @@ class RandomCalls:
     def __init__(self, model: nn.Module) -> None:
         self.names = {id(m): name for name, m in model.named_modules()}
         self.rows = 0
+        """The forward in flight's samples (its input's dim 0)."""
         self.watching = True
         """False once a training forward drew nothing here: later forwards run without the mode."""
         self.drew = False
@@ -73,13 +77,22 @@ class RandomCalls:
         """Recorded shapes (without the batch dimension) of each (layer, call) in the whole model."""
         self.recording = False
         self.tp_rank, self.tp = 0, 1
+        self.said = False
+
+    def reads(self, inputs: Any) -> None:
+        """The forward about to run takes `inputs`: its samples are its first tensor's dim 0."""
+        tensors = [t for t in tensors_in(inputs) if t.dim()]
+        self.rows = int(tensors[0].shape[0]) if tensors else 0
+
+    def layout(self, shape: Shape) -> randomness.Layout:
+        """Where a tensor drawn now holds its samples (`randomness.sample_layout`)."""
+        return randomness.sample_layout(shape, self.rows)
 
     @contextmanager
     def active(self, inputs: Any) -> Iterator[None]:
         """Inside, random functions draw by the rule; the forward's batch is read from `inputs`."""
         before, self.drew = self.drew, False
-        tensors = [t for t in tensors_in(inputs) if t.dim()]
-        self.rows = int(tensors[0].shape[0]) if tensors else 0
+        self.reads(inputs)
         try:
             with _Mode(self):
                 yield
@@ -127,28 +140,26 @@ class RandomCalls:
 
 
 def rule_bits(calls: RandomCalls | None, shape: Shape, key: str, call: int, device: torch.device,
-              factor: int) -> torch.Tensor:
-    """The rule's 32-bit integers for a tensor of `shape` drawn as `key`'s `call`-th draw: per sample where `factor`
-    > 0 (dim 0 holds the batch's samples `factor` entries each: (b * t, h) is drawn as (b, t, h)), else as one row."""
-    per_sample = factor > 0
-    drawn = (shape[0] // factor, factor, *shape[1:]) if per_sample and factor > 1 else shape
-    cols = calls.cols(key, call, drawn[1:] if per_sample else drawn) if calls is not None else None
-    return randomness.bits(torch.Size(drawn), key, call, device, cols=cols, by_rows=per_sample).view(shape)
+              layout: randomness.Layout) -> torch.Tensor:
+    """The rule's 32-bit integers for a tensor of `shape` drawn as `key`'s `call`-th draw, its samples where
+    `layout` says (`randomness.Layout`)."""
+    cols = calls.cols(key, call, randomness.drawn_shape(shape, layout)[1:]) if calls is not None else None
+    return randomness.layout_bits(shape, key, call, device, layout, cols)
 
 
-def rule_dropout(calls: RandomCalls | None, x: torch.Tensor, p: float, key: str, call: int, factor: int,
-                 channels: bool) -> torch.Tensor:
+def rule_dropout(calls: RandomCalls | None, x: torch.Tensor, p: float, key: str, call: int,
+                 layout: randomness.Layout, channels: bool) -> torch.Tensor:
     """nn.Dropout's rule: kept where the bits reach p * 2**32, scaled by 1 / (1 - p)."""
     shape = tuple(x.shape[:2] if channels else x.shape)
-    keep = rule_bits(calls, shape, key, call, x.device, factor) >= min(int(p * 2**32), 2**32)
+    keep = rule_bits(calls, shape, key, call, x.device, layout) >= min(int(p * 2**32), 2**32)
     keep = keep.view(*shape, *([1] * (x.dim() - len(shape))))
     return x * (keep.to(x.dtype) * (1.0 / (1.0 - p))) if p < 1.0 else x * 0.0
 
 
 def rule_uniform(calls: RandomCalls | None, shape: Shape, key: str, call: int, device: torch.device,
-                 factor: int) -> torch.Tensor:
+                 layout: randomness.Layout) -> torch.Tensor:
     """Uniform floats in [0, 1) with 24 bits (exact in float32), in float64."""
-    return (rule_bits(calls, shape, key, call, device, factor) >> 8).double() * 2.0**-24
+    return (rule_bits(calls, shape, key, call, device, layout) >> 8).double() * 2.0**-24
 
 
 def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, is_causal: bool,
@@ -184,28 +195,29 @@ class _Mode(TorchFunctionMode):
         if func in _OTHER:
             self.calls.drew = True
             self.calls.other.append(f"{getattr(func, '__name__', func)} in {self.calls.layer() or 'the model'}")
+        if _REDISPATCH is not None and isinstance(func, FunctionType) and func.__module__ == F.__name__:
+            with self:  # a function of torch.nn.functional (multi_head_attention_forward): its own calls are seen too
+                return _REDISPATCH(func, types, args, kwargs)
         return func(*args, **kwargs)
 
-    def _next(self, shape: Shape) -> tuple[str, int, int]:
-        """(layer, call, per-sample factor) of a draw now: per sample where dim 0 is the forward's batch or its
-        tokens flattened sample by sample, else 0."""
-        rows = self.calls.rows
-        factor = shape[0] // rows if shape and rows > 0 and shape[0] >= rows and shape[0] % rows == 0 else 0
+    def _next(self, shape: Shape) -> tuple[str, int, randomness.Layout]:
+        """(layer, call, where the samples lie) of a draw now."""
         key = self.calls.layer()
         self.calls.drew = True
-        return key, randomness.next_call(key), factor
+        return key, randomness.next_call(key), self.calls.layout(shape)
 
     def _dropout(self, func: Any, x: torch.Tensor, p: float = 0.5, training: bool = True,
                  inplace: bool = False) -> torch.Tensor:
         if not training or p == 0.0:
             return x
-        key, call, factor = self._next(tuple(x.shape))
-        out = rule_dropout(self.calls, x, p, key, call, factor, _DROPOUTS[func])
+        channels = _DROPOUTS[func]
+        key, call, layout = self._next(tuple(x.shape[:2] if channels else x.shape))
+        out = rule_dropout(self.calls, x, p, key, call, layout, channels)
         return x.copy_(out) if inplace else out
 
     def _uniform(self, shape: Shape, device: torch.device) -> torch.Tensor:
-        key, call, factor = self._next(shape)
-        return rule_uniform(self.calls, shape, key, call, device, factor)
+        key, call, layout = self._next(shape)
+        return rule_uniform(self.calls, shape, key, call, device, layout)
 
     def _draw(self, func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         like = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -255,17 +267,31 @@ def _size(args: Any, kwargs: dict[str, Any]) -> Shape:
 REASON = "layout-independent random calls"
 
 
-def watch(model: nn.Module, calls: RandomCalls) -> nn.Module:
-    """The prepared model's training forwards draw random calls through `calls` (until one draws nothing)."""
+def watch(model: nn.Module, calls: RandomCalls, compiling: bool = False,
+          say: Callable[[str], None] = print) -> nn.Module:
+    """The prepared model's training forwards draw random calls through `calls` (until one draws nothing).
+
+    Compiled code does not run under the mode: torch.compile would trace the mode's Python into every graph. So with
+    `compiling`, a forward under the mode runs its compiled pieces eagerly: the first, which decides, and, for a
+    model whose forward draws random functions, every one (said once)."""
     forward = model.forward
 
     def watched(*args: Any, **kwargs: Any) -> Any:
-        if not (calls.watching and model.training):
+        if not model.training:
             return forward(*args, **kwargs)
-        with calls.active((args, kwargs)):
+        if not calls.watching:
+            calls.reads((args, kwargs))  # nn.Dropout modules place their samples by it
+            return forward(*args, **kwargs)
+        eager = torch.compiler.set_stance("force_eager") if compiling else nullcontext()
+        with calls.active((args, kwargs)), eager:
             out = forward(*args, **kwargs)
         if not calls.drew:
             calls.watching = False
+        elif compiling and not calls.said:
+            calls.said = True
+            say("paratrain: compile: the forward draws random functions (F.dropout, bernoulli_, ...), which paratrain "
+                "draws eagerly by its layout-independent rule; this model's compiled pieces run eagerly (use "
+                "nn.Dropout modules, which draw inside compiled code, to compile it)")
         return out
 
     _forwards.replace(model, watched, REASON)
@@ -282,23 +308,25 @@ def replaying(calls: RandomCalls | None) -> Iterator[None]:
         yield
 
 
-def graph_dropout(x: torch.Tensor, p: float, key: str, call: int, factor: int, channels: bool) -> torch.Tensor:
-    """Dropout called as a function, as a traced pipeline stage calls it (its layer, call and per-sample factor
-    settled when the graph was rewritten): the rule's mask, as the eager forward draws it."""
-    return rule_dropout(step_state.active().random_calls, x, p, key, call, factor, channels)
+def graph_dropout(x: torch.Tensor, p: float, key: str, call: int, layout: randomness.Layout,
+                  channels: bool) -> torch.Tensor:
+    """Dropout called as a function, as a traced pipeline stage calls it (its layer, call and layout settled when
+    the graph was rewritten): the rule's mask, as the eager forward draws it."""
+    return rule_dropout(step_state.active().random_calls, x, p, key, call, layout, channels)
 
 
-def graph_bernoulli(x: torch.Tensor, p: Any, key: str, call: int, factor: int, in_place: bool) -> torch.Tensor:
+def graph_bernoulli(x: torch.Tensor, p: Any, key: str, call: int, layout: randomness.Layout,
+                    in_place: bool) -> torch.Tensor:
     """`bernoulli(_)` in a traced stage: 1 with probability p (a number, or `x` itself as probabilities)."""
-    value = rule_uniform(step_state.active().random_calls, tuple(x.shape), key, call, x.device, factor)
+    value = rule_uniform(step_state.active().random_calls, tuple(x.shape), key, call, x.device, layout)
     drawn = (value < (p.double() if isinstance(p, torch.Tensor) else p)).to(x.dtype)
     return x.copy_(drawn) if in_place else drawn
 
 
 def graph_attention(query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
                     is_causal: bool, scale: float | None, enable_gqa: bool, key: str, call: int,
-                    factor: int) -> torch.Tensor:
+                    layout: randomness.Layout) -> torch.Tensor:
     """scaled_dot_product_attention with dropout in a traced stage: its math, the weights dropped by the rule."""
     calls = step_state.active().random_calls
     return attention_math(query, key_, value, attn_mask, is_causal, scale, enable_gqa,
-                          lambda w: rule_dropout(calls, w, dropout_p, key, call, factor, False))
+                          lambda w: rule_dropout(calls, w, dropout_p, key, call, layout, False))

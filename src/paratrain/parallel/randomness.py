@@ -116,12 +116,10 @@ def _base(key: str, call: int) -> int:
 
 
 def bits(shape: torch.Size, key: str, call: int, device: torch.device, rows_before: int | None = None,
-         cols: torch.Tensor | None = None, by_rows: bool = True) -> torch.Tensor:
+         cols: torch.Tensor | None = None) -> torch.Tensor:
     """Uniform 32-bit integers (int64 values below 2**32) for a (rows, ...) tensor of layer `key`'s `call`-th draw:
     rows are numbered from `rows_before`, an element's column is its position in its row (`cols`: the positions a
-    rank's slice of a wider row holds). `by_rows=False`: the tensor is not per sample, and is drawn as one row 0."""
-    if not by_rows:
-        shape, rows_before = torch.Size((1, *shape)), 0
+    rank's slice of a wider row holds)."""
     rows = shape[0]
     per_row = 1
     for d in shape[1:]:
@@ -133,26 +131,63 @@ def bits(shape: torch.Size, key: str, call: int, device: torch.device, rows_befo
     return _mix(_mix(col ^ _base(key, call)) ^ ((row * _ROW_MIX) & _MASK32))
 
 
-def keep_mask(shape: torch.Size, p: float, key: str, call: int, device: torch.device,
-              rows_before: int | None = None, cols: torch.Tensor | None = None) -> torch.Tensor:
-    """True where an element of a (rows, ...) tensor is kept; rows are numbered from `rows_before`."""
-    threshold = min(int(p * 2**32), 2**32)
-    return (bits(shape, key, call, device, rows_before, cols) >= threshold).view(shape)
+Layout = tuple[int, int]
+"""Where a drawn tensor's samples lie: (axis, entries per sample along it). (0, 1): one row per sample along dim 0;
+(0, k): dim 0 holds the samples' tokens flattened sample by sample, k each ((b * t, h) is drawn as (b, t, h));
+(1, 1): the sequence first, the samples along dim 1 ((t, b, h) is drawn as (b, t, h)); (0, 0): not per sample, the
+whole tensor one row 0."""
+ROWS: Layout = (0, 1)
+
+
+def sample_layout(shape: tuple[int, ...], rows: int) -> Layout:
+    """The layout of a tensor drawn in a forward of `rows` samples: dim 0 the samples; else dim 1 the samples (the
+    sequence first: (t, b, h), or XLNet's (2t, b, h) positions); else dim 0 a multiple of them (tokens flattened)."""
+    if rows <= 0 or not shape:
+        return (0, 0)
+    if shape[0] == rows:
+        return ROWS
+    if len(shape) > 1 and shape[1] == rows:
+        return (1, 1)
+    if shape[0] > rows and shape[0] % rows == 0:
+        return (0, shape[0] // rows)
+    return (0, 0)
+
+
+def drawn_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
+    """The (samples, per sample...) shape a tensor is drawn as (one row for a tensor not per sample)."""
+    axis, factor = layout
+    if factor == 0:
+        return (1, *shape)
+    if axis == 1:
+        shape = (shape[1], shape[0], *shape[2:])
+    return (shape[0] // factor, factor, *shape[1:]) if factor > 1 else shape
+
+
+def layout_bits(shape: tuple[int, ...], key: str, call: int, device: torch.device, layout: Layout,
+                cols: torch.Tensor | None = None) -> torch.Tensor:
+    """`bits` of a tensor of `shape`, drawn per sample as `layout` says (rows numbered from this worker's share)."""
+    drawn = bits(torch.Size(drawn_shape(shape, layout)), key, call, device, 0 if layout[1] == 0 else None, cols)
+    if layout == (1, 1):
+        return drawn.view(shape[1], shape[0], *shape[2:]).transpose(0, 1)
+    return drawn.view(shape)
 
 
 def dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0, channels: bool = False,
-            cols: torch.Tensor | None = None) -> torch.Tensor:
+            layout: Layout | None = None) -> torch.Tensor:
     """Dropout of `x` with the layout-independent mask of layer `key` (its `call`-th use in a forward).
-    `channels` drops whole channels (dims 0-1 of the mask, as Dropout1d/2d/3d do)."""
+    `channels` drops whole channels (dims 0-1 of the mask, as Dropout1d/2d/3d do). `layout`: where the samples lie
+    (None: read from the shape and the forward's batch, `sample_layout`)."""
     if not train or p == 0.0:
         return x
     if p >= 1.0:
         return x * 0.0
-    shape = x.shape[:2] if channels else x.shape
+    shape = tuple(x.shape[:2] if channels else x.shape)
     calls = active().random_calls
-    if cols is None and calls is not None:  # a tensor-parallel rank's slice draws the whole tensor's mask there
-        cols = calls.cols(key, call, tuple(shape[1:]))
-    keep = keep_mask(shape, p, key, call, x.device, cols=cols)
+    if layout is None:
+        layout = calls.layout(shape) if calls is not None else ROWS
+    # a tensor-parallel rank's slice draws the whole tensor's mask at its positions
+    cols = calls.cols(key, call, drawn_shape(shape, layout)[1:]) if calls is not None else None
+    keep = layout_bits(shape, key, call, x.device, layout, cols) >= min(int(p * 2**32), 2**32)
     if channels:
         keep = keep.view(*shape, *([1] * (x.dim() - 2)))
     return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
@@ -179,10 +214,11 @@ def _draws() -> tuple[Any, Any]:
     return eager if eager is not None else (_draw, dropout)
 
 
-def graph_dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0,
-                  channels: bool = False) -> torch.Tensor:
-    """`dropout` as a traced graph calls it (pipeline stages), through what `eager_under_compile` sets."""
-    return _draws()[1](x, p, train, key, call, channels)  # type: ignore[no-any-return]
+def graph_dropout(x: torch.Tensor, p: float, train: bool, key: str, call: int = 0, channels: bool = False,
+                  layout: Layout = ROWS) -> torch.Tensor:
+    """`dropout` as a traced graph calls it (pipeline stages: `layout` read off the graph's shapes), through what
+    `eager_under_compile` sets."""
+    return _draws()[1](x, p, train, key, call, channels, layout)  # type: ignore[no-any-return]
 
 
 def eager_under_compile() -> None:

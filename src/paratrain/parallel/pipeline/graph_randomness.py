@@ -3,10 +3,10 @@
 draws the same numbers for a sample whichever stage, rank or micro-batch runs it.
 
 Each op is keyed as the eager draw is: by the path of the innermost module it ran in (`nn_module_stack`) and its
-number among that layer's draws in one forward (graph order is the forward's order). Whether a draw is per sample is
-read from its shape's symbols: dim 0 the batch's symbol, or a multiple of it (tokens flattened sample by sample),
-is per sample; anything else is drawn as one row. Random ops the rule does not draw are refused by name: a stage
-would draw them from its own generator, so they would follow the layout.
+number among that layer's draws in one forward (graph order is the forward's order). Where a draw's samples lie is
+read from its shape's symbols: dim 0 the batch's symbol, or a multiple of it (tokens flattened sample by sample), or
+dim 1 the batch's symbol (the sequence first); anything else is drawn as one row. Random ops the rule does not
+draw are refused by name: a stage would draw them from its own generator, so they would follow the layout.
 """
 
 from __future__ import annotations
@@ -43,14 +43,26 @@ def _batch_symbols(gm: fx.GraphModule) -> list[Any]:
     return found
 
 
-def _factor(node: fx.Node, batch: list[Any]) -> int:
-    """Entries per sample along dim 0 of the node's value (0: not per sample)."""
+def _layout(node: fx.Node, batch: list[Any]) -> randomness.Layout:
+    """Where the node's value holds the samples, read off its shape's symbols as the eager rule reads sizes
+    (`randomness.sample_layout`): dim 0 the batch's symbol; else dim 1 it (the sequence first); else dim 0 a
+    multiple of it (tokens flattened); else not per sample."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not val.dim() or not isinstance(val.shape[0], torch.SymInt):
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    ratios = [_ratio(size, batch) for size in shape[:2]]
+    if ratios and ratios[0] == 1:
+        return randomness.ROWS
+    if len(ratios) > 1 and ratios[1] == 1:
+        return (1, 1)
+    return (0, ratios[0]) if ratios and ratios[0] > 1 else (0, 0)
+
+
+def _ratio(size: Any, batch: list[Any]) -> int:
+    """k where `size` is k times the batch's symbol (0: it is not)."""
+    if not isinstance(size, torch.SymInt):
         return 0
-    expr = val.shape[0].node.expr
     for symbol in batch:
-        ratio = expr / symbol
+        ratio = size.node.expr / symbol
         if ratio.is_Integer and int(ratio) > 0:
             return int(ratio)
     return 0
@@ -88,9 +100,9 @@ def rewrite(gm: fx.GraphModule, model_name: str) -> None:
             channels = _MODULE_DROPOUTS[node.target]
             kinds = module_types(node)
             if kinds and _is_dropout_module(kinds[-1]):  # an nn.Dropout module: its own rule (rows along dim 0)
-                new = (randomness.graph_dropout, (x, p, train, key, next_call(key), channels))
+                new = (randomness.graph_dropout, (x, p, train, key, next_call(key), channels, _layout(x, batch)))
             elif train and p:
-                new = (random_calls.graph_dropout, (x, p, key, next_call(key), _factor(node, batch), channels))
+                new = (random_calls.graph_dropout, (x, p, key, next_call(key), _layout(x, batch), channels))
             else:
                 node.replace_all_uses_with(x)
                 gm.graph.erase_node(node)
@@ -98,14 +110,14 @@ def rewrite(gm: fx.GraphModule, model_name: str) -> None:
         elif node.target in _BERNOULLI:
             x = node.args[0]
             p = _argument(node, 1, "p", 0.5 if _BERNOULLI[node.target] else x)
-            new = (random_calls.graph_bernoulli, (x, p, key, next_call(key), _factor(node, batch),
+            new = (random_calls.graph_bernoulli, (x, p, key, next_call(key), _layout(node, batch),
                                                   _BERNOULLI[node.target]))
         elif node.target is _ATTENTION and _argument(node, 4, "dropout_p", 0.0):
             q, k, v = node.args[:3]
             options = (_argument(node, 3, "attn_mask", None), _argument(node, 4, "dropout_p", 0.0),
                        _argument(node, 5, "is_causal", False), _argument(node, 6, "scale", None),
                        bool(node.kwargs.get("enable_gqa", False)))
-            new = (random_calls.graph_attention, (q, k, v, *options, key, next_call(key), _factor(q, batch)))
+            new = (random_calls.graph_attention, (q, k, v, *options, key, next_call(key), _layout(q, batch)))
         elif _op_name(node) in _REFUSED:
             raise _refused(node, model_name)
         else:

@@ -347,9 +347,34 @@ def traced_segments(model: nn.Module, traced: Traced, defer_batchnorm: bool = Fa
                             for k in range(len(order))]
         info = gm.graph._codegen.pytree_info  # type: ignore[attr-defined]
         specs[training] = (info.in_spec, info.out_spec)
-    return [(unit, GraphSegment(unit, {True: graphs[True][k], False: graphs[False][k]}, model, specs,
-                                first=k == 0, last=k == len(order) - 1))
-            for k, unit in enumerate(order)]
+    segments: list[tuple[str, nn.Module]] = [
+        (unit, GraphSegment(unit, {True: graphs[True][k], False: graphs[False][k]}, model, specs, first=k == 0,
+                            last=k == len(order) - 1))
+        for k, unit in enumerate(order)]
+    _hold_idle(model, segments)
+    return segments
+
+
+def _hold_idle(model: nn.Module, segments: list[tuple[str, nn.Module]]) -> None:
+    """Parameters and saved buffers no graph reads (a decoder-only run of a layer's cross-attention) are held by the
+    segment of the layer they belong to (the first segment, outside every layer): they get no gradient, as in one
+    process, and the checkpoint still holds them."""
+    held = {id(t) for _, segment in segments for t in (*segment.parameters(), *segment.buffers())}
+    owners = sorted((unit for unit, _ in segments), key=len, reverse=True)
+    tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    tensors += [(n, t) for n, t in model.named_buffers() if _persistent(model, n)]
+    for name, tensor in tensors:
+        if id(tensor) in held:
+            continue
+        unit = next((u for u in owners if name.startswith(f"{u}.")), None)
+        segment = dict(segments)[unit] if unit is not None else segments[0][1]
+        _attach_tensor(segment, name, tensor, model)
+        held.add(id(tensor))
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return attr not in (model.get_submodule(owner) if owner else model)._non_persistent_buffers_set
 
 
 __all__ = ["GraphSegment", "traced_segments", "unit_paths"]

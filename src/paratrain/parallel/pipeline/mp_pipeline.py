@@ -109,6 +109,7 @@ class MPPipeline(nn.Module):
         for pairs in clock_cycles(m, k):
             for i, j in pairs:
                 x = self._copier.to(values[i], self.devices[j])
+                self.stages[j].micro_rows = batch_size(chunks[i])  # an activation may hold them off dim 0
                 with randomness.rows_offset(starts[i]):  # dropout masks follow the rows, not the split
                     values[i] = self.stages[j](x)
         return merge(values) if m > 1 else values[0]

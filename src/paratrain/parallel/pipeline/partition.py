@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from ..._tree import map_tensors
 from ...errors import ParatrainError
-from .. import batchnorm, randomness
+from .. import batchnorm, randomness, step_state
 from ..batchnorm import defer_modules
 from ..microbatch import batch_size
 from ..options import example_needed
@@ -53,6 +53,9 @@ class Stage(nn.Module):
         self.row_cursor: int | None = None
         """Set by a pipeline whose schedule runs this stage's micro-batches in order: the next one's first
         row within the step's batch, so dropout masks follow the rows wherever they run."""
+        self.micro_rows: int | None = None
+        """Set with `row_cursor`: the rows of each micro-batch, which the activation a later stage receives need not
+        hold along its dim 0 (a sequence-first model's (t, b, h))."""
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Stage:
         super()._apply(fn, *args, **kwargs)
@@ -77,9 +80,13 @@ class Stage(nn.Module):
         else:
             out = args[0] if len(args) == 1 else args
         rows = randomness.rows_offset(self.row_cursor) if self.row_cursor is not None else nullcontext()
+        micro = self.micro_rows if self.micro_rows is not None else batch_size(out)
+        calls = step_state.active().random_calls
+        if calls is not None:  # a layer's draws place their samples against this micro-batch (`random_calls`)
+            calls.rows = micro
         with rows:
             if self.row_cursor is not None:
-                self.row_cursor += batch_size(out)
+                self.row_cursor += micro
             for module in self._chain:
                 out = module(out)
         if self.outputs_spec is not None:

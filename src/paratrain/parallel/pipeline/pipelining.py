@@ -227,6 +227,7 @@ class PipelineModule(nn.Module):
         sched, stages = self._schedule(microbatches, inputs, schedule=schedule)
         for stage in self.local:
             stage.row_cursor = 0  # each stage runs its micro-batches' forwards in order
+            stage.micro_rows = batch_size(inputs) // microbatches
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
         kwargs: dict[str, Any] = {}
@@ -286,7 +287,7 @@ class PipelineModule(nn.Module):
         m = max(d for d in divisors(batch) if d <= wanted)
         sched, stages = self._schedule(m, inputs, training=False, loss=loss_fn is not None)
         for stage in self.local:
-            stage.row_cursor = None
+            stage.row_cursor = stage.micro_rows = None
         kwargs: dict[str, Any] = {}
         losses: list[torch.Tensor] = []
         last = any(s.is_last for s in stages)
