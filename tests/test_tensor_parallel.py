@@ -80,10 +80,13 @@ class _WidthFromHeads(torch.nn.Module):
         self.heads, self.literal = 4, literal
         self.q, self.k, self.v, self.o = (torch.nn.Linear(16, 16) for _ in range(4))
 
+    def split_heads(self, z: torch.Tensor) -> torch.Tensor:  # read in a helper, as OpenAI GPT's attention does
+        b, t, _ = z.shape
+        return z.view(b, t, 4 if self.literal else self.heads, -1).transpose(1, 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        heads = 4 if self.literal else self.heads
-        q, k, v = (w(x).view(b, t, heads, -1).transpose(1, 2) for w in (self.q, self.k, self.v))
+        q, k, v = (self.split_heads(w(x)) for w in (self.q, self.k, self.v))
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -108,6 +111,14 @@ def _heads_model(literal: bool) -> tuple[str, list[dict[str, torch.Tensor]]]:
         return str(exc), []
     finally:
         run.close()
+
+
+@pytest.mark.timeout(180)
+def test_tp_pp_with_no_other_option_trains() -> None:
+    """The defaults train: the tensor degree beside the pipeline, and the fewest micro-batches 1F1B runs."""
+    results = paratrain.launch(_train, "tp+pp", "hf_llama", {}, "forward_backward", nproc=4, timeout=150,
+                               accelerator="cpu", all_ranks=True)
+    _check("hf_llama", results, {("tp",)})
 
 
 @pytest.mark.timeout(180)

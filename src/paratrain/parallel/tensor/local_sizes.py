@@ -5,7 +5,7 @@ whole count from an attribute: OPT's `view(bsz, -1, self.num_heads, self.head_di
 features and silently pairs the wrong values into heads), GPT-2's `split(self.split_size)` of its fused
 projection, T5's zero position bias of `self.n_heads` heads. Setting those attributes to the rank's share makes
 such a block compute exactly its heads. Which attributes: integer attributes with one of the usual size names
-that the block's forward reads (`self.<name>`), and whose value the tensor degree divides. Whether it is right
+that the block's methods read (`self.<name>`), and whose value the tensor degree divides. Whether it is right
 for a given block is not guessed: the check (`check.choose`) runs the block both ways on the example batch and
 keeps the way that equals the whole block.
 """
@@ -26,9 +26,10 @@ SIZE_NAMES = frozenset({
 
 
 def _read_by_forward(module: nn.Module) -> set[str] | None:
-    """Names the class's forward reads as `self.<name>` (None: no source to read, so any may be)."""
+    """Names the class's methods read as `self.<name>` (its forward and the helpers it calls: OpenAI GPT splits
+    heads in `split_heads`); None: no source to read, so any may be."""
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(type(module))
     except (OSError, TypeError):
         return None
     return set(re.findall(r"self\.(\w+)", source))
