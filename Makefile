@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # of CPU for the project's modules alone). Compiled on first import, so only the modules in use are compiled.
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: setup test test-quick test-gpu lint typecheck bench limits clean
+.PHONY: setup test test-quick test-compile test-archs test-gpu lint typecheck bench limits clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,12 @@ test-quick: setup
 # a compile cell in every column of the correctness matrix (CI runs five of them): about 6 minutes
 test-compile: setup
 	PARATRAIN_MATRIX_COMPILE=all $(VENV)/bin/pytest -q -n 2 --dist loadscope tests/test_matrix.py -k every_model
+
+# every named architecture (tests/zoo/archs.py) under every layout, and every causal LM of the installed transformers
+# under ddp, fsdp, tp and pp, against the plain loop: benchmarks/results/archs-DATE.json and .md (the table), and
+# the table into docs/parallelism.md
+test-archs: setup
+	OMP_NUM_THREADS=1 $(PY) benchmarks/archs_sweep.py --docs --out benchmarks/results/archs-$$(date -u +%F)
 
 test-gpu: setup
 	PARATRAIN_TEST_GPU=1 $(VENV)/bin/pytest -q -m gpu

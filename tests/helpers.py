@@ -251,3 +251,16 @@ def fork_from_traced_template(patch: Any) -> None:
     tests = str(Path(__file__).parent)
     patch.setenv("PARATRAIN_WARM_WORKERS", os.environ.get("PARATRAIN_WARM_WORKERS", "torch") + ",matrix_warm")
     patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+
+
+def refused_list(path: Path) -> tuple[dict[str, str], int]:
+    """A list of refused cells (label -> text the refusal must contain) and the count recorded with it: each line a
+    cell's label, `|`, the text; `# cells: N` the count, which may only fall."""
+    cells, recorded = {}, -1
+    for line in path.read_text().splitlines():
+        if line.startswith("# cells:"):
+            recorded = int(line.split(":", 1)[1])
+        elif line.strip() and not line.startswith("#"):
+            label, reason = (part.strip() for part in line.split("|", 1))
+            cells[label] = reason
+    return cells, recorded

@@ -137,6 +137,49 @@ class Cell:
         return f"{self.model} / {self.layout}{m}{p}{extra}"
 
 
+def spread(strategy: str, where: list[dict[str, Any]]) -> list[str]:
+    """The work was really divided as the layout says: a layout that trained the whole model on every rank
+    would match the reference too."""
+    problems: list[str] = []
+    axes = strategy.split("+")
+    if strategy in ("single", "ddp"):
+        problems += [f"rank {i} holds {w['local']} of {w['whole']} elements" for i, w in enumerate(where)
+                     if w["local"] != w["whole"]]
+    if strategy == "fsdp":
+        local, whole = [w["local"] for w in where], where[0]["whole"]
+        if sum(local) != whole or max(local) >= whole:
+            problems.append(f"FSDP ranks hold {local} of {whole} parameter elements: not sharded")
+    if "pp" in axes and "fsdp" in axes:  # each stage sharded over the ranks that hold it
+        by_stage: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for w in where:
+            by_stage.setdefault(tuple(w["names"]), []).append(w)
+        tp = 2 if "tp" in axes else 1  # tensor-parallel ranks of a stage share its unsharded-by-tp elements
+        for names, ranks in by_stage.items():
+            local, whole, tp_whole = [w["local"] for w in ranks], ranks[0]["whole"], ranks[0]["tp_whole"]
+            if len(ranks) < 2 or sum(local) != tp_whole + tp * (whole - tp_whole) or max(local) >= whole:
+                problems.append(f"the stage holding {names[0]}..: ranks hold {local} of {whole} elements: not sharded")
+    if "pp" in axes:
+        held = {tuple(w["names"]) for w in where}
+        every = set().union(*held)
+        if len(held) != 2 or any(set(names) == every or not names for names in held):
+            problems.append(f"pipeline ranks hold {len(held)} distinct parameter sets (want 2 stages, each a part)")
+    if "tp" in axes:
+        # tensor-sharded weights: 1/tp on each rank, and 1/(dp x tp) under FSDP, which shards the rest too
+        parts = 4 if "fsdp" in axes else 2
+        for i, w in enumerate(where):
+            if not w["tp_whole"] or w["tp_local"] * parts != w["tp_whole"]:
+                problems.append(f"rank {i} holds {w['tp_local']} of {w['tp_whole']} tensor-sharded elements "
+                                f"(want 1/{parts})")
+            rest_local, rest_whole = w["local"] - w["tp_local"], w["whole"] - w["tp_whole"]
+            if "fsdp" in axes and not rest_local < rest_whole:
+                problems.append(f"rank {i} holds {rest_local} of {rest_whole} other elements: not sharded")
+    if strategy in ("mp", "ddp+mp"):
+        for i, w in enumerate(where):
+            if w["stage_params"] is None or len(w["stage_params"]) != 2 or 0 in w["stage_params"]:
+                problems.append(f"rank {i}: stages hold {w['stage_params']} parameter elements (want 2 stages)")
+    return problems
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """state_dict copies, whole tensors even where FSDP keeps DTensor shards (collective there)."""
     out = {}

@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 import zoo
+from helpers import refused_list
 from matrix_cells import (
     BY_NAME,
     CLIP,
@@ -46,6 +47,7 @@ from matrix_cells import (
     loop_lr,
     loop_sizes,
     run_column,
+    spread,
 )
 from zoo.compare import AUTOCAST_FLOOR, max_diff, mismatches
 from zoo.dropout_rule import applies_to, layout_rule
@@ -60,14 +62,7 @@ REFUSED_FILE = Path(__file__).with_name("matrix_refused.txt")
 
 def refused_cells() -> tuple[dict[str, str], int]:
     """The refused cells (label -> text the refusal must contain) and the count recorded in the file."""
-    cells, recorded = {}, -1
-    for line in REFUSED_FILE.read_text().splitlines():
-        if line.startswith("# cells:"):
-            recorded = int(line.split(":", 1)[1])
-        elif line.strip() and not line.startswith("#"):
-            label, reason = (part.strip() for part in line.split("|", 1))
-            cells[label] = reason
-    return cells, recorded
+    return refused_list(REFUSED_FILE)
 
 
 REFUSED, RECORDED = refused_cells()
@@ -214,50 +209,8 @@ def _compare(cell: Cell, results: list[dict[str, Any]]) -> list[str]:
         problems += [f"rank {r['rank']}: {r['compiled'][0]} of {r['compiled'][1]} units compiled, dynamo gave up "
                      f"on {r['compiled'][2]} frame(s)" for r in results
                      if r["compiled"][0] != r["compiled"][1] or not r["compiled"][1] or r["compiled"][2]]
-    return problems + spread(cell, [r["where"] for r in results])
+    return problems + spread(BY_NAME[cell.layout].strategy, [r["where"] for r in results])
 
-
-def spread(cell: Cell, where: list[dict[str, Any]]) -> list[str]:
-    """The work was really divided as the layout says: a layout that trained the whole model on every rank
-    would match the reference too."""
-    strategy, problems = BY_NAME[cell.layout].strategy, []
-    axes = strategy.split("+")
-    if strategy in ("single", "ddp"):
-        problems += [f"rank {i} holds {w['local']} of {w['whole']} elements" for i, w in enumerate(where)
-                     if w["local"] != w["whole"]]
-    if strategy == "fsdp":
-        local, whole = [w["local"] for w in where], where[0]["whole"]
-        if sum(local) != whole or max(local) >= whole:
-            problems.append(f"FSDP ranks hold {local} of {whole} parameter elements: not sharded")
-    if "pp" in axes and "fsdp" in axes:  # each stage sharded over the ranks that hold it
-        by_stage: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        for w in where:
-            by_stage.setdefault(tuple(w["names"]), []).append(w)
-        tp = 2 if "tp" in axes else 1  # tensor-parallel ranks of a stage share its unsharded-by-tp elements
-        for names, ranks in by_stage.items():
-            local, whole, tp_whole = [w["local"] for w in ranks], ranks[0]["whole"], ranks[0]["tp_whole"]
-            if len(ranks) < 2 or sum(local) != tp_whole + tp * (whole - tp_whole) or max(local) >= whole:
-                problems.append(f"the stage holding {names[0]}..: ranks hold {local} of {whole} elements: not sharded")
-    if "pp" in axes:
-        held = {tuple(w["names"]) for w in where}
-        every = set().union(*held)
-        if len(held) != 2 or any(set(names) == every or not names for names in held):
-            problems.append(f"pipeline ranks hold {len(held)} distinct parameter sets (want 2 stages, each a part)")
-    if "tp" in axes:
-        # tensor-sharded weights: 1/tp on each rank, and 1/(dp x tp) under FSDP, which shards the rest too
-        parts = 4 if "fsdp" in axes else 2
-        for i, w in enumerate(where):
-            if not w["tp_whole"] or w["tp_local"] * parts != w["tp_whole"]:
-                problems.append(f"rank {i} holds {w['tp_local']} of {w['tp_whole']} tensor-sharded elements "
-                                f"(want 1/{parts})")
-            rest_local, rest_whole = w["local"] - w["tp_local"], w["whole"] - w["tp_whole"]
-            if "fsdp" in axes and not rest_local < rest_whole:
-                problems.append(f"rank {i} holds {rest_local} of {rest_whole} other elements: not sharded")
-    if strategy in ("mp", "ddp+mp"):
-        for i, w in enumerate(where):
-            if w["stage_params"] is None or len(w["stage_params"]) != 2 or 0 in w["stage_params"]:
-                problems.append(f"rank {i}: stages hold {w['stage_params']} parameter elements (want 2 stages)")
-    return problems
 
 
 HALVES = (("single", "ddp", "fsdp", "mp", "ddp+mp", "pp-1f1b", "ddp+tp", "fsdp+pp"),

@@ -20,14 +20,35 @@ tolerances every strategy must meet against the plain-PyTorch reference (`zoo.re
 | hf_gpt2, hf_llama, hf_bert, hf_bert_kwargs | transformers models from tiny configs (ModelOutput, kwargs) |
 | hf_llama_lora | the Llama with LoRA adapters from `peft`: frozen base weights, only the adapters train |
 
+`zoo.ARCHS` is a second registry, kept apart so the correctness matrix does not run it: architectures as their
+libraries build them (zoo/archs.py), every setting but the sizes at the library's default, for the architecture
+sweep (tests/archs_verdicts.py, `make test-archs`); zoo/causal_lms.py adds every causal LM transformers knows.
+
+| arch | what it brings |
+| --- | --- |
+| qwen2, mistral | GQA decoders (2 key/value heads), Mistral's sliding window |
+| gemma2 | GQA, soft-capped logits and attention, pre- and post-norms, head_dim apart from the width |
+| phi3 | fused projections: qkv_proj and gate_up_proj |
+| gpt_neox | fused query_key_value, parallel residual, partial rotary |
+| opt | learned positions, functional dropout 0.1 (its default) |
+| mixtral, qwen2_moe | mixture of experts: top-2 routing over 4 experts; Qwen2-MoE adds a gated shared expert |
+| t5 | encoder-decoder, relative position buckets, dropout 0.1 as modules and as a function |
+| vit | torchvision VisionTransformer: class token, nn.MultiheadAttention (fused in_proj) |
+| convnext, convnext_sd | torchvision ConvNeXt: LayerNorm2d, layer scale; stochastic depth 0 / 0.1 (`bernoulli_`) |
+| swin | torchvision Swin (Swin-T's settings): shifted windows, patch merging, stochastic depth 0.2 |
+| efficientnet | torchvision EfficientNet (B0's settings): MBConv, squeeze-excitation, BatchNorm, stochastic depth |
+
 Each module holds one family; this file only registers them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
-from . import data, gpt, hf, llama, structured, vision
+from torch import nn
+
+from . import archs, data, gpt, hf, llama, structured, vision
 from .case import (
     ADAPTERS,
     BATCH_SHAPE,
@@ -113,4 +134,43 @@ _CASES = [
 
 MODELS: dict[str, ZooCase] = {case.name: case for case in _CASES}
 
-__all__ = ["MODELS", "Tolerance", "ZooCase"]
+_LM = frozenset({HF, MODULELIST, TRACED})
+
+
+def _lm(name: str, about: str, build: Callable[[int], nn.Module], *tags: str) -> ZooCase:
+    return ZooCase(name=name, about=about, build=build, batch=data.lm_batch, loss_fn=data.hf_lm_loss,
+                   tolerances=_tol(), tags=_LM | set(tags), lr=0.2)
+
+
+def _image(name: str, about: str, build: Callable[[int], nn.Module], *tags: str) -> ZooCase:
+    return ZooCase(name=name, about=about, build=build, batch=data.image_batch, loss_fn=data.class_loss,
+                   tolerances=_tol(), tags=frozenset({TRACED, *tags}), lr=0.05)
+
+
+_ARCH_CASES = [
+    _lm("qwen2", "transformers Qwen2ForCausalLM: GQA, q/k/v biases", archs.build_qwen2),
+    _lm("mistral", "transformers MistralForCausalLM: GQA, sliding-window attention", archs.build_mistral),
+    _lm("gemma2", "transformers Gemma2ForCausalLM: GQA, soft-capping, four norms a block, head_dim 16",
+        archs.build_gemma2),
+    _lm("phi3", "transformers Phi3ForCausalLM: fused qkv_proj and gate_up_proj", archs.build_phi3),
+    _lm("gpt_neox", "transformers GPTNeoXForCausalLM: fused query_key_value, parallel residual", archs.build_gpt_neox),
+    _lm("opt", "transformers OPTForCausalLM: learned positions, F.dropout 0.1", archs.build_opt, DROPOUT),
+    _lm("mixtral", "transformers MixtralForCausalLM: top-2 of 4 experts", archs.build_mixtral),
+    _lm("qwen2_moe", "transformers Qwen2MoeForCausalLM: top-k experts and a gated shared expert",
+        archs.build_qwen2_moe),
+    ZooCase(name="t5", about="transformers T5ForConditionalGeneration: encoder-decoder, dropout 0.1",
+            build=archs.build_t5, batch=archs.t5_batch, loss_fn=data.hf_lm_loss, tolerances=_tol(),
+            tags=frozenset({HF, MODULELIST, TRACED, DICT_IO, DROPOUT}), lr=0.2),
+    _image("vit", "torchvision VisionTransformer: class token, nn.MultiheadAttention", archs.build_vit),
+    _image("convnext", "torchvision ConvNeXt: LayerNorm2d, layer scale, no stochastic depth", archs.build_convnext),
+    _image("convnext_sd", "torchvision ConvNeXt with stochastic depth 0.1 (bernoulli_ per sample)",
+           partial(archs.build_convnext, stochastic_depth=0.1), DROPOUT),
+    _image("swin", "torchvision SwinTransformer: shifted windows, patch merging, stochastic depth 0.2",
+           archs.build_swin, DROPOUT),
+    _image("efficientnet", "torchvision EfficientNet: MBConv, squeeze-excitation, BatchNorm, stochastic depth",
+           archs.build_efficientnet, BATCHNORM, DROPOUT),
+]
+
+ARCHS: dict[str, ZooCase] = {case.name: case for case in _ARCH_CASES}
+
+__all__ = ["ARCHS", "MODELS", "Tolerance", "ZooCase"]
