@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--hidden", type=int, default=32, help="width of the hidden layer (model and checkpoint size)")
     p.add_argument("--strategy", default="ddp")
-    p.add_argument("--microbatches", type=int, default=None, help="pipelines: micro-batches per step (default: the fewest the schedule runs)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="pipelines: micro-batches per step (default: the fewest the schedule runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1,
                    help="masks come from each rank's generator: use 0 to compare runs on different world sizes")
