@@ -132,7 +132,9 @@ def test_runs_fork_from_a_template_their_caller_keeps_and_leave_it_as_they_found
     """PARATRAIN_WARM_TEMPLATE: every run's workers are forks of the caller's template (one import for many
     runs), a run does not end it, and what one run's worker changes is not in the next run's."""
     script = tmp_path / "job.py"
-    script.write_text("import json, os\nprint('parent', os.getppid(), 'marked', hasattr(json, 'MARK'), flush=True)\n"
+    # one write per line: the two workers share one stdout, and print() writes word by word unbuffered
+    script.write_text("import json, os\n"
+                      "os.write(1, f'parent {os.getppid()} marked {hasattr(json, \"MARK\")}\\n'.encode())\n"
                       "json.MARK = 1\n")
     kept = _warm_run.keep(("json",))
     try:
