@@ -20,11 +20,12 @@ if TYPE_CHECKING:
     from .data import ShardedLoader
     from .launcher.spawn import WorkerFailed
     from .observe import Profile, profile  # type: ignore[no-redef]
+    from .weights import empty_init
 
 __version__ = "0.1.0"
 
 _LAZY = {"Run": "api", "setup": "api", "ShardedLoader": "data", "WorkerFailed": "launcher.spawn",
-         "Profile": "observe", "profile": "observe"}
+         "Profile": "observe", "profile": "observe", "empty_init": "weights"}
 
 
 def __getattr__(name: str) -> Any:
@@ -48,4 +49,4 @@ def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 
 __all__ = ["CheckpointError", "CollectiveTimeout", "ParatrainError", "Profile", "Run", "ShardedLoader", "WorkerFailed",
-           "launch", "profile", "setup"]
+           "empty_init", "launch", "profile", "setup"]

@@ -6,7 +6,9 @@ statistics over micro-batches (`parallel.batchnorm`) and the activation meter ar
 (`parallel.pipeline.memory`); tensor-parallel layers that compute on their local pieces (`parallel.tensor.styles`:
 Conv1D, fused and expert weights), and the random calls of a training forward (`parallel.random_calls`); and two
 single forwards watch what runs: the planner's tensor-parallel profile (`planner.tensor_profile`) and the
-tensor-parallel check, which keeps the first block of each kind's inputs and output (`parallel.tensor.check`).
+tensor-parallel check, which keeps the first block of each kind's inputs and output (`parallel.tensor.check`);
+and a model built on the meta device runs those forwards with each module's tensors made real for its call
+(`weights.streamed`).
 Forward hooks cannot do it (they cannot replace the computation, and the micro-step must not depend on hooks), and
 wrapper modules would change the user's parameter names, which checkpoints and tensor-parallel plans key on. So
 the instance's `forward` is replaced here, and every replacement is recorded on the module with the reason. Whoever

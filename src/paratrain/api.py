@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import random
 import weakref
 from collections.abc import Iterator, Mapping
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from . import checkpoint, collectives, grad_clip, runtime, strategies
+from . import checkpoint, collectives, grad_clip, runtime, strategies, weights
 from .config import Config, make_config, validate
 from .data import ShardedLoader, claim_weight
 from .data.plan import ONE, Weight
@@ -73,6 +74,8 @@ class Run:
                                   log_dir=config.log_dir, checkpoint_dir=config.checkpoint_dir,
                                   progress=config.progress)
         self._global_batch: int | None = None
+        self._built: list[tuple[nn.Module, nn.Module]] = []
+        """(prepared model, the user's model) pairs: `export` writes in the user's names and config."""
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -114,15 +117,30 @@ class Run:
 
     # -- preparing objects ----------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                example: Any = None) -> Any:
+                example: Any = None, init_from: str | os.PathLike[str] | None = None) -> Any:
         """Put the model in its final form for the strategy (placed, wrapped, sharded or split into stages)
         and point the optimizer at its parameters; returns (model, optimizer), or the model alone.
 
         `example` is one batch of model inputs: pipelines need it to trace a model that is not an
         nn.Sequential and to measure layers for balance="time"/"memory"; with strategy="auto" on several
-        processes the planner measures the model on it and picks the layout (docs/plan.md)."""
+        processes the planner measures the model on it and picks the layout (docs/plan.md).
+
+        A model built on the meta device (`with torch.device("meta"):` or `paratrain.empty_init()`) is split
+        first, then each rank gets storage for its share only, filled from `init_from` (a save_pretrained
+        directory, a .safetensors file or a torch.save'd state dict, read a slice at a time) or else from the
+        modules' own initialisation, the same values under every layout for one seed (docs/usage.md)."""
         activate(self.step.state)  # this run's micro-step state, whatever another run in the process did
+        meta = weights.has_meta(model)
+        source = weights.source_for(model, self.config.seed, init_from) if meta or init_from is not None else None
+        if source is not None and (not meta or not self.strategy.sharded_state):
+            weights.materialize(model, source, self.device, everything=init_from is not None)
+            meta = False  # whole on this rank, as the layout holds it
         if self._auto:
+            if meta:
+                raise ParatrainError(
+                    "strategy='auto' measures the model to choose a layout, and a model built on the meta device "
+                    "has no values to measure; name the layout (e.g. setup(strategy='fsdp')), or let `paratrain "
+                    "plan` choose one for a smaller build of the same model")
             self._choose_layout(model, optimizer, example)
         before = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
         apply_layout_dropout(model)
@@ -132,7 +150,14 @@ class Run:
             activation_checkpoint.apply(units, checkpointing)
             compile_blocks.apply(units, compiling, self.device)
         self.step.state.random_calls = calls = RandomCalls(model)
-        wrapped = self.strategy.wrap(model, self.ctx, example)
+        if meta and source is not None:  # split on the meta device, then this rank's share made real
+            with weights.sourced(model, source, self.device):  # a forward while splitting: weights.streamed
+                wrapped = self.strategy.wrap(model, self.ctx, example)
+            replaced = weights.materialize(self.strategy.unwrap(wrapped), source, self.device)
+            weights.settle(wrapped, replaced)
+        else:
+            wrapped = self.strategy.wrap(model, self.ctx, example)
+        self._built.append((wrapped, model))
         if self.strategy.microbatched:  # the blocks were traced into stages: per layer of a stage
             units = activation_checkpoint.stages(wrapped)
             activation_checkpoint.apply(units, checkpointing)
@@ -412,6 +437,17 @@ class Run:
             self.scaler.load_state_dict(extra["scaler"])
         self.print(f"paratrain: resumed from {target}")
         return True
+
+    def export(self, model: nn.Module, path: str | os.PathLike[str], *, max_shard_size: int = 2 * 1024**3) -> Path:
+        """Write the prepared `model`'s whole weights to `path` as Hugging Face does (safetensors files of at most
+        `max_shard_size` bytes with an index, the config of a transformers model), from any layout, a tensor at a
+        time: no rank gathers the model. Collective. Load it with `from_pretrained(path)`, `init_from=path` or
+        `load_state_dict`."""
+        pair = next(((prepared, user) for prepared, user in self._built if model in (prepared, user)), None)
+        if pair is None:
+            raise ParatrainError("run.export takes the model run.prepare returned; prepare it first")
+        with self._watch.op_scope("export"):
+            return weights.export(self.strategy.unwrap(pair[0]), pair[1], path, self.rank, max_shard_size)
 
     def close(self) -> None:
         self._metrics.close()

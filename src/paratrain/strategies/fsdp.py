@@ -19,6 +19,7 @@ from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
+from ..weights.build import place
 from .base import Backward, Context, LossFn
 
 
@@ -45,7 +46,7 @@ class FSDP:
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
                              "strategy 'fsdp'", modules_run=True)
-        return apply_fsdp(model.to(ctx.device), precision=ctx.config.precision)
+        return apply_fsdp(place(model, ctx.device), precision=ctx.config.precision)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return ctx.placement.rank, ctx.placement.world_size

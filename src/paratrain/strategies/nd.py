@@ -35,6 +35,7 @@ from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
 from ..parallel.dims import ParallelDims, canonical, dims_for, parse
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
+from ..weights.build import place
 from .base import Backward, Context, LossFn
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class NDStrategy:
         dims = self.dims(ctx)
         cfg = ctx.config
         model = for_replicas(model, cfg.batchnorm, ctx.device, dims.dp, False, f"strategy {self.name!r}")
-        model = model.to(ctx.device)
+        model = place(model, ctx.device)  # a meta model stays meta: each rank's share is made real after
         mesh = dims.build_mesh(ctx.device.type)
         if dims.tp > 1:
             plan, source = find_plan(model, cfg.tp_plan)

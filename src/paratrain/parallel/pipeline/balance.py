@@ -226,6 +226,8 @@ def choose_balance(
         return equal_balance(n, stages), None
     if requested not in MODES:
         raise unknown_name("balance", requested, MODES)
+    if _built_on_meta(layers):  # no values to time yet: the layers' sizes stand in for their costs
+        return solve([float(param_bytes(m)) for _, m in layers], stages), None
     if sample is None:
         raise ParatrainError(f"balance={requested!r} needs a sample batch to measure the layers")
     costs = profile_layers(layers, sample)
@@ -235,6 +237,12 @@ def choose_balance(
         costs = [LayerCost(c.name, flat[3 * i], int(flat[3 * i + 1]), int(flat[3 * i + 2]))
                  for i, c in enumerate(costs)]
     return solve(balance_costs(costs, requested), stages), costs
+
+
+def _built_on_meta(layers: Sequence[Layer]) -> bool:
+    from ...weights.build import is_empty
+
+    return any(is_empty(t) for _, m in layers for t in m.parameters())
 
 
 def describe(balance: Sequence[int], costs: Sequence[LayerCost] | None, mode: str | Sequence[int] | Sequence[str],

@@ -59,10 +59,14 @@ class Stage(nn.Module):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Stage:
         super()._apply(fn, *args, **kwargs)
-        for module in self._chain:  # a traced segment reads buffers through its graphs: point them anew
+        self.repoint()
+        return self
+
+    def repoint(self) -> None:
+        """A traced segment reads tensors through its graphs: after they were moved or made real, point them anew."""
+        for module in self._chain:
             if isinstance(module, GraphSegment):
                 module.repoint()
-        return self
 
     def train(self, mode: bool = True) -> Stage:
         super().train(mode)
@@ -197,19 +201,21 @@ def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = Fal
         return layers
     if example is None:
         raise example_needed(type(model).__name__, "not an nn.Sequential, so it is traced to be split")
+    from ...weights.build import all_meta
     from .tracing import trace
 
-    where = next((p.device for p in model.parameters()), None)
-    if where is not None:  # trace where the weights are (stages are placed on their devices afterwards)
-        from ..._tree import map_tensors
+    with all_meta(model) as meta:  # a model built on the meta device is traced there, real buffers and all
+        where = torch.device("meta") if meta else next((p.device for p in model.parameters()), None)
+        if where is not None:  # trace where the weights are (stages are placed on their devices afterwards)
+            from ..._tree import map_tensors
 
-        example = map_tensors(lambda t: t.to(where), example)
-    if not tp_plan:
-        return traced_segments(model, trace(model, example), defer_batchnorm)
-    from ..tensor.traced import call_layers, local_layers
+            example = map_tensors(lambda t: t.to(where), example)
+        if not tp_plan:
+            return traced_segments(model, trace(model, example), defer_batchnorm)
+        from ..tensor.traced import call_layers, local_layers
 
-    with local_layers(model, tp_plan):
-        traced = trace(model, example)
+        with local_layers(model, tp_plan):
+            traced = trace(model, example)
     for gm in (traced.train, traced.eval):
         call_layers(gm, model, tp_plan)
     return traced_segments(model, traced, defer_batchnorm)

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from ..._tree import map_tensors
 from ...collectives import max_over_world
 from ...errors import ParatrainError
+from ...weights.build import place
 from .. import batchnorm
 from ..batchnorm import check_microbatches
 from ..microbatch import batch_size, check_even, divisors, split
@@ -141,7 +142,7 @@ class PipelineModule(nn.Module):
         stages = split_into_stages(layers, balance)
         owner = schedules.stage_owners(self.schedule_name, self.pp, self.per_worker)
         self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
-        local = [stages[i].to(self.device) for i in self.ids]
+        local = [place(stages[i], self.device) for i in self.ids]
         if self._shard_mesh is not None:
             shard_stages(local, self._shard_mesh, self._precision, self.tied)
         for stage in local:
@@ -166,6 +167,11 @@ class PipelineModule(nn.Module):
         """At the end of an accumulation window: tied parameters' gradients summed over their holders."""
         if self.tied:
             self.tied.reduce(self.device)
+
+    def replaced(self, now: dict[int, nn.Parameter]) -> None:
+        """Some of this rank's parameters were replaced by new objects (made real: `weights.fill`)."""
+        if self.tied:
+            self.tied.replaced(now)
 
     def holds(self) -> nn.Module:
         """This worker's layers under their original names (what `unwrap` returns)."""

@@ -76,6 +76,10 @@ class TiedGradients:
         """The stages were sharded (`sharded.shard_stages`): the entries become the FSDP2 parameters that replaced
         the originals (`now`, by the original's id), whose gradients are this rank's rows."""
         self.shard = (coordinate, size)
+        self.replaced(now)
+
+    def replaced(self, now: dict[int, nn.Parameter]) -> None:
+        """Parameters replaced by others (`now`, by the original's id): sharded, or made real (`weights.fill`)."""
         self.counted_elsewhere = {id(now[i]) for i in self.counted_elsewhere if i in now}
         self.entries = [(now.get(id(p), p) if p is not None else None, shape, dtype)
                         for p, shape, dtype in self.entries]

@@ -12,6 +12,7 @@ from torch import nn
 
 from ... import collectives
 from ...errors import ParatrainError
+from ...weights.streamed import streamed
 from .. import step_state
 from ..options import example_needed
 from ..trial import no_trace
@@ -127,10 +128,10 @@ def _trained(model: nn.Module, example: Any, calls: Any, record: bool) -> Any:
         return None
     with no_trace([model]), torch.no_grad(), check._train(model):
         if record:
-            with calls.recorded(), calls.active(example):
+            with calls.recorded(), calls.active(example), streamed(model):
                 out = model(example)
             return out if calls.whole or calls.other else None
-        with calls.active(example):
+        with calls.active(example), streamed(model):
             return model(example)
 
 
@@ -144,7 +145,7 @@ def _check_whole(model: nn.Module, plan: dict[str, str], example: Any, whole: An
     """The sharded model on the example, against its unsharded output: code outside the checked blocks (the other
     blocks of a kind, the model's own forward) must be right too."""
     try:
-        with check._eval(model), torch.no_grad():
+        with check._eval(model), torch.no_grad(), streamed(model):
             out = model(example)
     except Exception as exc:
         blocks = [name for names in _blocks(model, plan).values() for name in names]

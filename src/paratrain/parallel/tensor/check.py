@@ -31,6 +31,7 @@ from torch import nn
 from ... import _forwards
 from ..._tree import tensors_in
 from ...errors import ParatrainError
+from ...weights.streamed import real_copy, streamed
 from . import local_sizes
 from .plan import FUSED
 
@@ -62,7 +63,7 @@ def capture(model: nn.Module, blocks: list[str], example: Any) -> tuple[dict[str
     for module, s in zip(modules, seen.values(), strict=True):
         _forwards.replace(module, _recording(module.forward, s), REASON)
     try:
-        with _eval(model), torch.no_grad():
+        with _eval(model), torch.no_grad(), streamed(model):
             out = model(example)
     finally:
         for module in modules:
@@ -178,7 +179,7 @@ def _trained_like(block: nn.Module) -> nn.Module:
     """A copy of the block with weights of a trained model's size (Kaiming-scaled, the same on every rank), running
     its classes' forwards. At initialisation attention is nearly uniform, so heads grouped wrongly would change the
     output by less than float noise; sharding is exact for any weights, so the check may choose them."""
-    copy_ = copy.deepcopy(block)
+    copy_ = real_copy(block) or copy.deepcopy(block)  # a block built on the meta device: its values made real
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for module in copy_.modules():

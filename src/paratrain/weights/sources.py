@@ -1,0 +1,82 @@
+"""Where a meta-built model's values come from: a checkpoint (`init_from`), else the modules' own initialisation.
+
+A checkpoint is matched against the model before anything is read: every tensor of its state dict present
+(a tied weight under any of its names), nothing the model lacks, every shape equal; otherwise one refusal lists
+what is missing, unexpected and of another shape. Buffers a state dict does not hold (rotary frequencies) come
+from the modules' own initialisation either way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import ParatrainError
+from .files import Checkpoint
+from .names import saved_names
+from .own_init import OwnInit
+
+
+def _listed(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return f"{shown} and {len(names) - limit} more" if len(names) > limit else shown
+
+
+class Source:
+    """Values by the model's own tensor names: `piece(name, index)` reads only the slice asked for."""
+
+    def __init__(self, model: nn.Module, seed: int, init_from: str | os.PathLike[str] | None = None) -> None:
+        self.own = OwnInit(model, seed)
+        self.canonical = self.own.canonical
+        self.stored: dict[str, str] = {}  # canonical name -> name in the checkpoint
+        self.checkpoint = Checkpoint(init_from) if init_from is not None else None
+        if self.checkpoint is not None:
+            self._match(model, self.checkpoint)
+
+    def _match(self, model: nn.Module, ckpt: Checkpoint) -> None:
+        saved = saved_names(model)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+        in_file = ckpt.names()
+        every = {name for name, _ in (*model.named_parameters(remove_duplicate=False),
+                                      *model.named_buffers(remove_duplicate=False))}
+        missing, differ = [], []
+        for name in sorted(saved, key=list(shapes).index):
+            first = self.canonical[name]
+            if first in self.stored:
+                continue
+            names = [n for n in saved if self.canonical[n] == first]
+            found = next((n for n in [first, *names] if n in in_file), None)
+            if found is None:
+                missing.append(first)
+                continue
+            if ckpt.shape(found) != shapes[name]:
+                differ.append(f"{found} {list(ckpt.shape(found))} (the model's {list(shapes[name])})")
+            self.stored[first] = found
+        unexpected = sorted(in_file - every)  # a non-persistent buffer stored anyway (old rotary tables) is ignored
+        if missing or unexpected or differ:
+            said = [f"{len(missing)} missing ({_listed(missing)})" if missing else "",
+                    f"{len(unexpected)} unexpected ({_listed(unexpected)})" if unexpected else "",
+                    f"{len(differ)} of another shape ({_listed(differ, 4)})" if differ else ""]
+            raise ParatrainError(
+                f"init_from={str(ckpt.path)!r} does not fit {type(model).__name__}: its tensors are "
+                f"{'; '.join(s for s in said if s)}. Keys are the module's own state-dict names (model.state_dict()"
+                "): load the checkpoint of this architecture and size, saved from this class (save_pretrained of "
+                "the same model class, or run.export)")
+
+    def holds(self, name: str) -> bool:
+        """The checkpoint gives this tensor's values."""
+        return self.canonical.get(name, name) in self.stored
+
+    def piece(self, name: str, index: Sequence[slice] | None = None) -> torch.Tensor:
+        first = self.canonical.get(name, name)
+        if self.checkpoint is not None and first in self.stored:
+            return self.checkpoint.read(self.stored[first], index)
+        whole = self.own.full(first)
+        return whole[tuple(index)] if index is not None else whole
+
+
+def source_for(model: nn.Module, seed: int, init_from: str | os.PathLike[str] | None) -> Source:
+    return Source(model, seed, init_from)
