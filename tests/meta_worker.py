@@ -36,7 +36,8 @@ def main() -> None:
             model = cases.build(name)
         prepared, opt = run.prepare(model, cases.optimizer(model), example=x[: cases.GLOBAL_BATCH],
                                     init_from=cases.FILES[name](checkpoints))
-        loader = run.prepare_loader(DataLoader(TensorDataset(x, y), batch_size=run.per_worker_batch(cases.GLOBAL_BATCH)))
+        per_worker = run.per_worker_batch(cases.GLOBAL_BATCH)
+        loader = run.prepare_loader(DataLoader(TensorDataset(x, y), batch_size=per_worker))
         losses[name] = []
         for inputs, targets in loader:
             loss = run.forward_backward(prepared, inputs, targets, cases.loss_fn)
