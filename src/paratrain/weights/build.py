@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +45,7 @@ def empty_init() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def place(module: nn.Module, device: torch.device) -> nn.Module:
+def place(module: M, device: torch.device) -> M:
     """`module.to(device)` for the tensors that have data; tensors on the meta device stay there (they get this
     rank's storage once the model is split: `fill.materialize`)."""
     if not has_meta(module):
