@@ -9,16 +9,14 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from ..parallel.tensor import local_part
+
 M = TypeVar("M", bound=nn.Module)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's piece
 
 
 def is_empty(t: torch.Tensor) -> bool:
     """No storage yet: a meta tensor, or a DTensor whose local piece is one."""
-    return _local(t).is_meta
+    return local_part(t).is_meta
 
 
 def has_meta(module: nn.Module) -> bool:

@@ -33,6 +33,7 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.files: dict[str, Path] = {}  # tensor name -> file
+        self.shapes: dict[str, tuple[int, ...]] = {}  # tensor name -> shape, from the headers
         self._open: dict[Path, Any] = {}
         self._torch: dict[str, torch.Tensor] | None = None
         if self.path.is_dir():
@@ -69,7 +70,7 @@ class Checkpoint:
             self.files[name] = file
 
     def _header(self, file: Path) -> list[str]:
-        """The file's tensor names, after checking its header and that its data is all there."""
+        """The file's tensor names (their shapes kept), after checking its header and that its data is all there."""
         if not file.exists():
             raise _refuse(file, "is listed in the index but missing; copy the whole checkpoint directory")
         size = file.stat().st_size
@@ -85,7 +86,9 @@ class Checkpoint:
         if 8 + length + end > size:
             raise _refuse(file, f"is truncated: its header describes {8 + length + end} bytes but it has {size}; "
                                 "copy or write it again")
-        return [k for k in header if k != "__metadata__"]
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        self.shapes.update({k: tuple(v["shape"]) for k, v in tensors.items()})
+        return list(tensors)
 
     def _torch_file(self) -> None:
         try:
@@ -98,14 +101,13 @@ class Checkpoint:
             raise _refuse(self.path, "holds no state dict of tensors; save model.state_dict() with torch.save")
         self._torch = state
         self.files = dict.fromkeys(state, self.path)
+        self.shapes = {k: tuple(v.shape) for k, v in state.items()}
 
     def names(self) -> set[str]:
         return set(self.files)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if self._torch is not None:
-            return tuple(self._torch[name].shape)
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return self.shapes[name]
 
     def _handle(self, name: str) -> Any:
         from safetensors import safe_open

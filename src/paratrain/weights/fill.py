@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..parallel.tensor import local_part
 from .build import is_empty
 from .names import named_tensors
 from .sources import Source
@@ -33,14 +34,11 @@ def piece(source: Source, name: str, t: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # type: ignore[no-any-return]
-
-
 def materialize(model: nn.Module, source: Source, device: torch.device, prefix: str = "",
                 everything: bool = False) -> dict[int, Any]:
     """Storage on `device` for every meta tensor of `model` (as split; `prefix` its name in the source's model),
-    filled from `source`; with `everything`, the real tensors a checkpoint holds are loaded too."""
+    filled from `source`; with `everything`, the real tensors a checkpoint holds are loaded too. Returns the
+    Parameters replaced rather than swapped, for `settle` on what the layout built around the model."""
     empty = {name for name, t in named_tensors(model) if is_empty(t)}
     if everything:
         empty |= {name for name, _ in named_tensors(model) if source.holds(f"{prefix}.{name}" if prefix else name)}
@@ -53,8 +51,7 @@ def materialize(model: nn.Module, source: Source, device: torch.device, prefix: 
         for name, t in named_tensors(model):
             if name in empty and id(t) not in done:
                 done.add(id(t))
-                local(t).copy_(piece(source, f"{prefix}.{name}" if prefix else name, t))
-    settle(model, replaced)
+                local_part(t).copy_(piece(source, f"{prefix}.{name}" if prefix else name, t))
     return replaced
 
 
@@ -74,7 +71,7 @@ def _allocate(model: nn.Module, device: torch.device) -> dict[int, Any]:
                 new = torch.empty_like(t, device=device)
                 if isinstance(t, nn.Parameter):
                     new = nn.Parameter(new, requires_grad=t.requires_grad)
-                kept = {k: v for k, v in t.__dict__.items()}
+                kept = dict(t.__dict__)
                 try:
                     torch.utils.swap_tensors(t, new)
                 except RuntimeError:

@@ -16,7 +16,6 @@ from torch import nn
 
 from ..errors import ParatrainError
 from .files import Checkpoint
-from .names import saved_names
 from .own_init import OwnInit
 
 
@@ -37,23 +36,21 @@ class Source:
             self._match(model, self.checkpoint)
 
     def _match(self, model: nn.Module, ckpt: Checkpoint) -> None:
-        saved = saved_names(model)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+        aliases: dict[str, list[str]] = {}  # canonical name -> its names in the state dict, in its order
+        for name in shapes:
+            aliases.setdefault(self.canonical[name], []).append(name)
         in_file = ckpt.names()
-        every = {name for name, _ in (*model.named_parameters(remove_duplicate=False),
-                                      *model.named_buffers(remove_duplicate=False))}
+        every = set(self.canonical)  # every name of every parameter and buffer
         missing, differ = [], []
-        for name in sorted(saved, key=list(shapes).index):
-            first = self.canonical[name]
-            if first in self.stored:
-                continue
-            names = [n for n in saved if self.canonical[n] == first]
-            found = next((n for n in [first, *names] if n in in_file), None)
+        for first, names in aliases.items():
+            found = next((n for n in (first, *names) if n in in_file), None)
             if found is None:
                 missing.append(first)
                 continue
-            if ckpt.shape(found) != shapes[name]:
-                differ.append(f"{found} {list(ckpt.shape(found))} (the model's {list(shapes[name])})")
+            stored, want = ckpt.shape(found), shapes[names[0]]
+            if stored != want:
+                differ.append(f"{found} {list(stored)} (the model's {list(want)})")
             self.stored[first] = found
         unexpected = sorted(in_file - every)  # a non-persistent buffer stored anyway (old rotary tables) is ignored
         if missing or unexpected or differ:
