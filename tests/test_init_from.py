@@ -80,3 +80,23 @@ def test_init_from_loads_a_model_built_whole_and_export_writes_it_back(checkpoin
     got = cases.read_export(str(tmp_path / "out"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert (tmp_path / "out" / "config.json").exists()
+
+
+def test_the_safetensors_reader_and_writer_agree_with_safetensors(tmp_path: Path) -> None:
+    """init_from reads rows with plain file reads, export writes a tensor at a time: both as safetensors does."""
+    from safetensors.torch import load_file, save_file
+
+    from paratrain.weights import safetensors_format as fmt
+
+    tensors = {"w": torch.randn(7, 5), "h": torch.randn(3).to(torch.bfloat16), "s": torch.tensor(3.0),
+               "i": torch.arange(12).reshape(3, 4), "b": torch.ones(4, dtype=torch.bool)}
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    entries, _, end = fmt.read_header(tmp_path / "a.safetensors")
+    assert end == (tmp_path / "a.safetensors").stat().st_size
+    for name, value in tensors.items():
+        assert torch.equal(fmt.read(tmp_path / "a.safetensors", entries[name]), value), name
+    for index in ([slice(2, 5), slice(1, 3)], [slice(0, 7, 2), slice(0, 5)], [slice(7, 7), slice(0, 5)]):
+        assert torch.equal(fmt.read(tmp_path / "a.safetensors", entries["w"], index), tensors["w"][tuple(index)])
+    fmt.write(tmp_path / "b.safetensors", [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__)
+    back = load_file(str(tmp_path / "b.safetensors"))
+    assert set(back) == set(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())

@@ -1,10 +1,11 @@
 """`run.export`: the whole model's weights under their original names, as Hugging Face writes them, from any layout.
 
-No rank gathers the model: each tensor is made whole on its own (`full_tensor()`, one collective over the ranks
-that share it) and written by one rank that holds it, into files of at most `max_shard_bytes`; rank 0 then names
-the files `model-0000i-of-0000n.safetensors` with their index (one file: `model.safetensors`) and writes a
-Hugging Face model's config beside them. Every name of the state dict is written, a tied weight under each of
-its names, so `load_state_dict` takes the files as they are and `from_pretrained` ties them again.
+No rank gathers the model: each tensor is made whole on its own (`full_tensor()`, one collective over the ranks that
+share it) and written by one rank that holds it straight into its file (the header, known from the shapes, goes
+first), files of at most `max_shard_bytes`; rank 0 then names the files `model-0000i-of-0000n.safetensors` with
+their index (one file: `model.safetensors`) and writes a Hugging Face model's config beside them. Every name of the
+state dict is written, a tied weight under each of its names, so `load_state_dict` takes the files as they are and
+`from_pretrained` ties them again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives
+from . import safetensors_format
 from .files import INDEX, SINGLE
 from .names import saved_names
 
@@ -32,30 +34,38 @@ def _writes(t: torch.Tensor) -> bool:
     return coordinate is not None and all(c == 0 for c in coordinate)
 
 
-class _Files:
-    """This rank's part files, each written when it reaches the size limit."""
+def _files(mine: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+    """The tensors this rank writes, in order, cut into files of at most `limit` bytes (a bigger tensor alone)."""
+    files: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
+    size = 0
+    for name, t in mine:
+        nbytes = t.numel() * t.element_size()
+        if files[-1] and size + nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append((name, t.shape, t.dtype))
+        size += nbytes
+    return [f for f in files if f]
 
-    def __init__(self, folder: Path, rank: int, limit: int) -> None:
-        self.folder, self.rank, self.limit = folder, rank, limit
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.written: list[tuple[str, list[str], int]] = []
 
-    def add(self, name: str, value: torch.Tensor) -> None:
-        self.pending[name] = value.detach().to("cpu").clone(memory_format=torch.contiguous_format)  # a tied name apart
-        self.size += value.numel() * value.element_size()
-        if self.size >= self.limit:
-            self.flush()
+class _Walk:
+    """Every tensor this rank holds made whole in turn (a collective among the ranks sharing it, so all of them walk
+    the same order), kept only while the file being written takes it."""
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        from safetensors.torch import save_file
+    def __init__(self, mine: list[tuple[str, torch.Tensor]]) -> None:
+        self._rest = iter(mine)
 
-        file = f"{PREFIX}{self.rank:05d}-{len(self.written):05d}.safetensors"
-        save_file(self.pending, str(self.folder / file), metadata={"format": "pt"})
-        self.written.append((file, list(self.pending), self.size))
-        self.pending, self.size = {}, 0
+    def until(self, name: str) -> torch.Tensor:
+        for held, t in self._rest:
+            whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[operator]
+            if held == name:
+                return whole  # type: ignore[no-any-return]
+        raise KeyError(name)
+
+    def finish(self) -> None:
+        for _, t in self._rest:
+            if hasattr(t, "full_tensor"):
+                t.full_tensor()  # type: ignore[operator]
 
 
 def export(held: nn.Module, original: nn.Module, path: str | os.PathLike[str], rank: int,
@@ -80,15 +90,15 @@ def export(held: nn.Module, original: nn.Module, path: str | os.PathLike[str], r
         for name, ok in offered:
             if ok:
                 writer.setdefault(name, r)
-    files = _Files(folder, rank, max_shard_bytes)
+    walk = _Walk(mine)
+    written: list[tuple[str, list[str], int]] = []
     with torch.no_grad():
-        for name, t in mine:
-            whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[operator]
-            if writer.get(name) == rank:
-                files.add(name, whole)
-            del whole
-    files.flush()
-    parts = _gather(files.written)
+        for specs in _files([(n, t) for n, t in mine if writer.get(n) == rank], max_shard_bytes):
+            file = f"{PREFIX}{rank:05d}-{len(written):05d}.safetensors"
+            size = safetensors_format.write(folder / file, specs, walk.until)
+            written.append((file, [name for name, _, _ in specs], size))
+        walk.finish()
+    parts = _gather(written)
     if rank == 0:
         _name_files(folder, [part for per_rank in parts for part in per_rank], order)
         _config(original, folder)

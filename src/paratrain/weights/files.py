@@ -1,10 +1,11 @@
 """Initial weights from a checkpoint on disk, read a slice at a time.
 
 Accepted: a Hugging Face `save_pretrained` directory (`model.safetensors`, or shards listed by
-`model.safetensors.index.json`), one `.safetensors` file, or a `torch.save`d state dict (opened memory-mapped, so
-reading a tensor reads its pages only). Keys are the model's own state-dict names; a tied weight may be stored
-under any of its names. Every file is opened and its header checked against its size before training, so a
-truncated shard is refused by name on every rank rather than met half-way through loading.
+`model.safetensors.index.json`), one `.safetensors` file (a tensor's rows read with plain file reads:
+`safetensors_format`), or a `torch.save`d state dict (opened memory-mapped, so reading a tensor reads its pages
+only, though those pages then count in the rank's resident set). Keys are the model's own state-dict names; a tied
+weight may be stored under any of its names. Every file is opened and its header checked against its size before
+training, so a truncated shard is refused by name on every rank rather than met half-way through loading.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..errors import ParatrainError
+from . import safetensors_format
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -34,7 +35,7 @@ class Checkpoint:
         self.path = Path(path)
         self.files: dict[str, Path] = {}  # tensor name -> file
         self.shapes: dict[str, tuple[int, ...]] = {}  # tensor name -> shape, from the headers
-        self._open: dict[Path, Any] = {}
+        self.entries: dict[str, safetensors_format.Entry] = {}  # tensor name -> where it lies in its file
         self._torch: dict[str, torch.Tensor] | None = None
         if self.path.is_dir():
             self._directory()
@@ -70,25 +71,20 @@ class Checkpoint:
             self.files[name] = file
 
     def _header(self, file: Path) -> list[str]:
-        """The file's tensor names (their shapes kept), after checking its header and that its data is all there."""
+        """The file's tensor names (where each lies kept), after checking its header and that its data is all there."""
         if not file.exists():
             raise _refuse(file, "is listed in the index but missing; copy the whole checkpoint directory")
-        size = file.stat().st_size
         try:
-            with open(file, "rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                if length <= 0 or 8 + length > size:
-                    raise ValueError("header longer than the file")
-                header = json.loads(f.read(length))
-        except (ValueError, OSError) as exc:
+            entries, _, end = safetensors_format.read_header(file)
+        except (ValueError, KeyError, OSError) as exc:
             raise _refuse(file, f"is not a complete safetensors file ({exc}); copy or write it again") from None
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + length + end > size:
-            raise _refuse(file, f"is truncated: its header describes {8 + length + end} bytes but it has {size}; "
+        size = file.stat().st_size
+        if end > size:
+            raise _refuse(file, f"is truncated: its header describes {end} bytes but it has {size}; "
                                 "copy or write it again")
-        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        self.shapes.update({k: tuple(v["shape"]) for k, v in tensors.items()})
-        return list(tensors)
+        self.entries.update(entries)
+        self.shapes.update({k: e.shape for k, e in entries.items()})
+        return list(entries)
 
     def _torch_file(self) -> None:
         try:
@@ -109,20 +105,9 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
-    def _handle(self, name: str) -> Any:
-        from safetensors import safe_open
-
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt", device="cpu")
-        return self._open[file]
-
     def read(self, name: str, index: Sequence[slice] | None = None) -> torch.Tensor:
-        """The tensor, or only `index` of it (a slice per dimension): a safetensors slice reads those bytes."""
+        """The tensor, or only `index` of it (a slice per dimension): from a safetensors file, only its rows."""
         if self._torch is not None:
             whole = self._torch[name]
             return (whole[tuple(index)] if index is not None else whole).clone()
-        handle = self._handle(name)
-        if index is None:
-            return handle.get_tensor(name)
-        return handle.get_slice(name)[tuple(index)]
+        return safetensors_format.read(self.files[name], self.entries[name], index)
