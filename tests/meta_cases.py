@@ -128,6 +128,13 @@ def plain_run(name: str, root: str) -> tuple[dict[str, torch.Tensor], list[float
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of parameters a rank stores: a DTensor's local piece, a pipeline rank's stages (a tied weight once)."""
+    from paratrain.parallel.tensor import local_part
+
+    return sum(local_part(p).numel() * p.element_size() for p in model.parameters())
+
+
 def read_export(folder: str) -> dict[str, torch.Tensor]:
     """Every tensor of an export (one file or shards), as a plain loader would read them."""
     from safetensors.torch import load_file

@@ -24,12 +24,14 @@ def main() -> None:
     run = paratrain.setup(strategy=layout, seed=0, timeout_s=120)
     x, y = cases.data()
     losses: dict[str, list[float]] = {}
+    held: dict[str, int] = {}
     for name in cases.models(layout):
         # the zoo's GPT computes a mask buffer no initialiser recomputes: parameters alone go to the meta device
         build = paratrain.empty_init if name == "gpt" else lambda: torch.device("meta")
         with build():
             model = cases.build(name)
         prepared = run.prepare(model, example=x[: cases.GLOBAL_BATCH])
+        held[name] = cases.held_bytes(run.unwrap(prepared))  # what this rank stores: its share, not the model
         run.export(prepared, os.path.join(out, name, "init"))
 
         with build():
@@ -45,6 +47,8 @@ def main() -> None:
             opt.zero_grad()
             losses[name].append(float(loss))
         run.export(prepared, os.path.join(out, name, "trained"), max_shard_size=40_000)
+    with open(os.path.join(out, f"held-{run.rank}.json"), "w") as f:
+        json.dump(held, f)
     if run.is_main:
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump(losses, f)

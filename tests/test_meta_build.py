@@ -36,12 +36,13 @@ def plain(checkpoints: Path) -> dict[str, tuple[dict[str, torch.Tensor], list[fl
     return {name: cases.plain_run(name, str(checkpoints)) for name in cases.MODELS}
 
 
-def own_init(name: str) -> dict[str, torch.Tensor]:
-    """The values one process gives the meta-built model from its modules' own initialisation."""
+def own_init(name: str) -> tuple[dict[str, torch.Tensor], int]:
+    """The values one process gives the meta-built model from its modules' own initialisation, and its parameter
+    bytes (a tied weight once)."""
     with (paratrain_empty_init() if name == "gpt" else torch.device("meta")):
         model = cases.build(name)
     weights.materialize(model, weights.source_for(model, 0, None), torch.device("cpu"))
-    return model.state_dict()
+    return model.state_dict(), cases.held_bytes(model)
 
 
 def paratrain_empty_init():  # type: ignore[no-untyped-def]
@@ -59,12 +60,20 @@ def test_meta_build_matches_plain_pytorch(layout: str, world: int, checkpoints: 
                     timeout=360)
     assert res.returncode == 0, res.stdout[-4000:]
     losses = json.loads((tmp_path / "losses.json").read_text())
+    held = [json.loads((tmp_path / f"held-{rank}.json").read_text()) for rank in range(world)]
     for name in cases.models(layout):
         start = cases.read_export(str(tmp_path / name / "init"))
-        want = own_init(name)
+        want, whole = own_init(name)
         assert set(start) == set(want), f"{name}: exported names differ from the state dict's"
         unequal = [k for k in want if not torch.equal(start[k], want[k])]
         assert not unequal, f"{name} under {layout}: own initialisation differs from one process's on {unequal[:5]}"
+
+        most = max(h[name] for h in held)
+        if layout in ("single", "ddp"):
+            assert most == whole, f"{name} under {layout}: a rank holds {most} of {whole} parameter bytes"
+        else:  # the work is spread: no rank stores the whole model (embeddings may stay whole under tp)
+            share = 0.55 if layout == "fsdp" else 0.8
+            assert most < share * whole, f"{name} under {layout}: a rank stores {most} of {whole} parameter bytes"
 
         ref, ref_losses = plain[name]
         got = cases.read_export(str(tmp_path / name / "trained"))
