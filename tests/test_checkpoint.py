@@ -326,6 +326,40 @@ def test_sharded_checkpoint_uses_dcp_and_loads_on_another_world_size(tmp_path: P
     run.close()
 
 
+def _sgd_save_and_load(ckpt: str) -> dict[str, Any]:
+    """A stateless optimizer (SGD without momentum) saved and loaded under FSDP: how often torch stepped it."""
+    run = paratrain.setup(strategy="fsdp", seed=0, checkpoint_dir=ckpt)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    run.backward(model(torch.randn(4, 6)).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    steps: list[int] = []
+    optimizer.register_step_pre_hook(lambda *_: steps.append(1))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 1}
+    run.save(state)
+    before = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert run.load(state)
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    out = {"steps": len(steps), "restored": all(torch.equal(before[k], after[k]) for k in before),
+           "grads": [p.grad for p in model.parameters()], "lr": optimizer.param_groups[0]["lr"]}
+    run.close()
+    return out
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_saving_and_loading_a_stateless_optimizer_takes_no_zero_step(tmp_path: Path) -> None:
+    """torch's optimizer state-dict API steps an optimizer with no state on zero gradients for every parameter (a
+    second copy of the rank's share); with no state to save or load, paratrain spares it."""
+    got = paratrain.launch(_sgd_save_and_load, str(tmp_path), nproc=2, timeout=80)
+    assert got["steps"] == 0 and got["restored"] and got["lr"] == 0.1
+    assert all(g is None for g in got["grads"])
+
+
 def _save_with_a_stray_optimizer_on_rank_1(ckpt: str) -> str:
     run = paratrain.setup(strategy="fsdp", seed=0, checkpoint_dir=ckpt, timeout_s=30)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))

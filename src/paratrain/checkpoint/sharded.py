@@ -17,6 +17,8 @@ written per rank by the manager with torch.save.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +71,46 @@ def _options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _state_dicts(modules: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, Any]]) -> dict[str, Any]:
+@contextlib.contextmanager
+def _without_zero_step(optimizer: torch.optim.Optimizer, saved_state: bool = False) -> Iterator[None]:
+    """torch's optimizer state-dict API gives an optimizer with no state yet a zero gradient for every parameter
+    and steps it, to create the state it would save or load into: a second copy of the rank's share of the model
+    for the duration (+B/N under FSDP with SGD). Where there is no state to save, nor any saved to load into it
+    (`saved_state`), one tiny zero gradient on one parameter tells torch so and nothing is allocated."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if optimizer.state or saved_state or not params or any(p.grad is not None for p in params):
+        yield
+        return
+    smallest = min(params, key=lambda p: p.numel())
+    smallest.grad = torch.zeros_like(smallest)
+    try:
+        yield
+    finally:
+        smallest.grad = None
+
+
+def _state_dicts(modules: dict[str, nn.Module], optimizers: dict[str, tuple[nn.Module, Any]],
+                 saved_state: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The model and optimizer state dicts DCP reads and writes; `saved_state`: the optimizers (by key) whose
+    state the checkpoint to load holds."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {f"model.{k}": get_model_state_dict(m) for k, m in modules.items()}
-    out.update({f"optim.{k}": get_optimizer_state_dict(m, o, options=_options()) for k, (m, o) in optimizers.items()})
+    for k, (m, o) in optimizers.items():
+        with _without_zero_step(o, k in saved_state):
+            out[f"optim.{k}"] = get_optimizer_state_dict(m, o, options=_options())
     return out
+
+
+def _with_state(checkpoint: Path, optimizers: dict[str, tuple[nn.Module, Any]]) -> frozenset[str]:
+    """The optimizers whose state (not only their options) the checkpoint holds, read from DCP's index."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        saved = FileSystemReader(str(checkpoint / _DIR)).read_metadata().state_dict_metadata
+    except Exception:
+        return frozenset(optimizers)  # `_check_fits` names the unreadable index; assume state, as torch does
+    return frozenset(k for k in optimizers if any(key.startswith(f"optim.{k}.state.") for key in saved))
 
 
 def gather(state: dict[str, Any], unwrap: Unwrap) -> dict[str, Any]:
@@ -125,7 +161,8 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     modules, optimizers = split(state, unwrap)
-    target = _state_dicts(modules, optimizers)
+    saved_state = _with_state(checkpoint, optimizers)
+    target = _state_dicts(modules, optimizers, saved_state)
     _check_fits(checkpoint, target)
     whole = strided.WholeForLoad(target)
     try:
@@ -140,4 +177,5 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     for key, module in modules.items():
         set_model_state_dict(module, target[f"model.{key}"])
     for key, (module, optimizer) in optimizers.items():
-        set_optimizer_state_dict(module, optimizer, target[f"optim.{key}"], options=_options())
+        with _without_zero_step(optimizer, key in saved_state):
+            set_optimizer_state_dict(module, optimizer, target[f"optim.{key}"], options=_options())
