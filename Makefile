@@ -14,7 +14,7 @@ export PYTHONDONTWRITEBYTECODE :=
 
 setup: $(STAMP)
 
-EXTRAS := .[dev,bench,vision,notebook,hf,cluster,plan,tensorboard]
+EXTRAS := .[dev,bench,vision,notebook,hf,cluster,plan,tensorboard,data]
 
 # uv installs what pip would (the newest match over every index, as pip picks) in a third of the time: pip unpacks
 # torch's CUDA wheels (4 GB) on one core. uv reads none of pip's configuration, so pip's indexes, find-links and
@@ -36,7 +36,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m compileall -q -j 0 $(addprefix "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"/,torch torchvision sympy) > /dev/null || true
 	@# torch is imported (it must load); the extras are only found: importing peft alone takes 15 s of one core
 	$(PY) -c "import importlib.util as u, sys, paratrain, torch; gone = [m for m in ('matplotlib', 'pytest', \
-	  'kubernetes', 'transformers', 'peft', 'yaml', 'tensorboard', 'tqdm') if u.find_spec(m) is None]; \
+	  'kubernetes', 'transformers', 'peft', 'yaml', 'tensorboard', 'tqdm', 'datasets', 'pyarrow') \
+	  if u.find_spec(m) is None]; \
 	  sys.exit(f'not installed: {gone}') if gone else None"
 	touch $(STAMP)
 

@@ -6,7 +6,8 @@ sides are built in the same workers (the bench's own builders: `worker.paratrain
 `references.BUILDERS`), and every step alternates A B B A, each step timed alone by the bench's harness
 (`measure.timing.time_steps`: a barrier first, the slowest rank's time), so the machine's drift falls on both
 sides within a second. Reported per layout: each side's median step, the ratio of the medians, and
-the median of the paired ratios (each paratrain step over the reference step beside it).
+the median of the paired ratios (each paratrain step over the reference step beside it), each with its 95%
+bootstrap interval and the verdict `paratrain bench` prints (`paratrain.measure.stats`).
 
     python benchmarks/nd_overhead.py benchmarks/results/nd-overhead.json            # the gpt workload, mini
     python benchmarks/nd_overhead.py OUT --steps 10 --size tiny                        # a smoke run
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import paratrain
+from paratrain.measure import stats
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _emit import emit  # noqa: E402
@@ -62,18 +63,6 @@ def _pair(strategy: str, workers: int, size: str, steps: int, microbatches: int)
     return {"reference": ref, "times": times}
 
 
-def _interval(ours: list[float], theirs: list[float], draws: int = 2000) -> tuple[float, float]:
-    """95% bootstrap interval of the ratio of medians (the steps resampled in their pairs, fixed seed): how far
-    the machine's noise alone moves the ratio."""
-    rng = random.Random(0)
-    ratios = []
-    for _ in range(draws):
-        picks = [rng.randrange(len(ours)) for _ in ours]
-        ratios.append(statistics.median(ours[i] for i in picks) / statistics.median(theirs[i] for i in picks))
-    ratios.sort()
-    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?")
@@ -89,17 +78,17 @@ def main() -> None:
         got = paratrain.launch(_pair, strategy, int(workers), args.size, args.steps, args.microbatches,
                                nproc=int(workers), timeout=900, accelerator="cpu")
         ours, theirs = got["times"]["paratrain"], got["times"]["hand-written"]
+        of_medians = stats.ratio_of_medians(ours, theirs, paired=True)  # the steps resampled in their pairs
+        paired = stats.paired_ratio(ours, theirs)
         row = {"strategy": strategy, "workers": int(workers), "reference": got["reference"],
                "paratrain_median_s": statistics.median(ours), "reference_median_s": statistics.median(theirs),
-               "ratio_of_medians": statistics.median(ours) / statistics.median(theirs),
-               "median_paired_ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
-               "ratio_ci95": _interval(ours, theirs), "steps": len(ours), "paratrain_s": ours,
-               "reference_s": theirs}
+               "ratio_of_medians": of_medians.value, "median_paired_ratio": paired.value,
+               "ratio_ci95": of_medians.interval, "paired_ci95": paired.interval, "verdict": stats.verdict(paired),
+               "steps": len(ours), "paratrain_s": ours, "reference_s": theirs}
         rows.append(row)
-        low, high = row["ratio_ci95"]
         print(f"{strategy:>8} x{workers}: paratrain {row['paratrain_median_s']:.4f} s, {row['reference']} "
-              f"{row['reference_median_s']:.4f} s, ratio {row['ratio_of_medians']:.3f} "
-              f"(paired {row['median_paired_ratio']:.3f}, 95% {low:.3f}-{high:.3f})", file=sys.stderr, flush=True)
+              f"{row['reference_median_s']:.4f} s, ratio of medians {of_medians.text()}; paired: {row['verdict']}",
+              file=sys.stderr, flush=True)
     emit({"workload": f"gpt {args.size}, global batch 8, SGD", "microbatches": args.microbatches,
           "schedule": "1f1b", "torch": torch.__version__, "cores": os.cpu_count(), "layouts": rows})
 

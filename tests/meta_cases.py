@@ -57,8 +57,9 @@ MODELS = ("llama", "gpt2", "gpt")
 
 def models(layout: str) -> tuple[str, ...]:
     """The zoo's GPT sizes its attention by the whole width (`split(c, dim=2)`): tensor parallelism refuses it by
-    name (tests/matrix_refused.txt), so layouts with tp run the two Hugging Face models."""
-    return MODELS[:2] if "tp" in layout.split("+") else MODELS
+    name (tests/matrix_refused.txt), so layouts with tp run the two Hugging Face models, as does `auto`, which
+    may choose tp for the first model and keeps its choice for the rest."""
+    return MODELS[:2] if "tp" in layout.split("+") or layout == "auto" else MODELS
 FILES: dict[str, Callable[[str], str]] = {
     "llama": lambda root: os.path.join(root, "llama"),  # save_pretrained, sharded with an index
     "gpt2": lambda root: os.path.join(root, "gpt2", "model.safetensors"),  # one safetensors file
@@ -144,3 +145,15 @@ def read_export(folder: str) -> dict[str, torch.Tensor]:
     for file in files:
         out.update(load_file(os.path.join(folder, file)))
     return out
+
+
+def record(run: Any, out: str, losses: Any, held: Any = None) -> None:
+    """A worker's results for its test: what this rank holds (`held-RANK.json`), and rank 0's losses."""
+    import json
+
+    if held is not None:
+        with open(os.path.join(out, f"held-{run.rank}.json"), "w") as f:
+            json.dump(held, f)
+    if run.is_main:
+        with open(os.path.join(out, "losses.json"), "w") as f:
+            json.dump(losses, f)

@@ -6,7 +6,6 @@ to run.prepare with its modules' own initialisation (exported at once) and with 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -47,11 +46,7 @@ def main() -> None:
             opt.zero_grad()
             losses[name].append(float(loss))
         run.export(prepared, os.path.join(out, name, "trained"), max_shard_size=40_000)
-    with open(os.path.join(out, f"held-{run.rank}.json"), "w") as f:
-        json.dump(held, f)
-    if run.is_main:
-        with open(os.path.join(out, "losses.json"), "w") as f:
-            json.dump(losses, f)
+    cases.record(run, out, losses, held)
     run.close()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 import textwrap
 from dataclasses import replace
@@ -19,9 +20,10 @@ from helpers import bench_here, paratrain
 from torch import nn
 
 from paratrain import ParatrainError, strategies
+from paratrain.bench import cli as bench_cli
 from paratrain.bench import jobs, mfu, plots, references, report, schema
 from paratrain.cli import main as cli_main
-from paratrain.measure import gpt, workloads
+from paratrain.measure import gpt, stats, workloads
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -55,6 +57,7 @@ def test_plan_pairs_each_strategy_with_its_reference_and_explains_what_cannot_ru
     assert jobs["pp vs torch-pipelining"] == [("pp", 2, "1f1b"), ("torch-pipelining", 2, "1f1b")]
     assert jobs["mp vs torch-pipeline"] == [("mp", 2, None), ("torch-pipeline", 2, None)]
     assert [job.nproc for job in p.jobs] == [1, 2, 1, 2]  # single, ddp, mp, pp: one process for mp
+    assert [job.baseline for job in p.jobs] == [False, True, True, True]  # one worker beside every run but single
     skipped = _skipped(p)
     status, reason = skipped[("dp", 1, None)]
     assert status == "not-applicable" and "needs CUDA GPUs" in reason
@@ -158,7 +161,7 @@ def test_finalise_derives_medians_speedups_bounds_and_reference_ratios() -> None
     assert runs[("dp", 1, None)]["median_step_s"] is None and runs[("dp", 1, None)]["reason"] == "needs GPUs"
     assert runs[("dp", 1, None)]["tokens_per_s"] is None and runs[("dp", 1, None)]["mfu"] is None
     lines = report.comparisons(typed["runs"])
-    assert any("ddp on 2 worker(s): 1.100 x torch-ddp" in line for line in lines)
+    assert "ddp on 2 worker(s) / torch-ddp: not judged (x1.100, no interval from 3 step(s))" in lines
     assert "not-applicable" in report.table(typed["runs"]) and "| dp |" in report.markdown(typed["runs"])
     assert "| tokens/s | MFU |" in report.markdown(typed["runs"]) and "72.7%" in report.table(typed["runs"])
 
@@ -171,7 +174,7 @@ def test_schema_reads_version_1_and_requires_the_current_fields() -> None:
         del run["tokens_per_s"], run["mfu"]
     typed = schema.from_json(old)["runs"]  # version 1 still reads: the new fields are null
     assert typed[1].median == 0.55 and typed[1].mfu is None and typed[1].tokens_per_s is None
-    with pytest.raises(ValueError, match="expected 'paratrain-bench/3'"):
+    with pytest.raises(ValueError, match="expected 'paratrain-bench/4'"):
         schema.validate(old)
     with pytest.raises(ValueError, match="this paratrain reads"):
         schema.from_json({**old, "schema": "paratrain-bench/9"})
@@ -203,10 +206,118 @@ def test_schema_names_every_broken_field() -> None:
         assert expected in text
 
 
+def _noisy(centre: float, spread: float, n: int, seed: int, drift: list[float] | None = None) -> list[float]:
+    """`n` step times around `centre`, each off by up to `spread` (a fraction) and scaled by the machine's `drift`
+    in its round (shared by both sides of a pair)."""
+    rng = random.Random(seed)
+    return [centre * (drift[i] if drift else 1.0) * (1 + rng.uniform(-spread, spread)) for i in range(n)]
+
+
+DRIFT = [1 + 0.25 * math.sin(i / 3) for i in range(30)]
+"""A machine whose speed swings by ±25% over the rounds, as this one does when others start work."""
+
+
+def test_a_5_percent_slower_side_with_little_noise_is_called_slower_despite_the_drift() -> None:
+    ours, theirs = _noisy(1.05, 0.01, 30, 1, DRIFT), _noisy(1.0, 0.01, 30, 2, DRIFT)
+    ratio = stats.paired_ratio(ours, theirs)
+    assert ratio.low is not None and ratio.high is not None and 1.02 < ratio.low < 1.05 < ratio.high < 1.08
+    assert stats.verdict(ratio).startswith("slower (x1.04") and "95% CI 1.04" in stats.verdict(ratio)
+    assert stats.verdict(stats.paired_ratio(theirs, ours)).startswith("faster (x0.95")
+    apart = stats.ratio_of_medians(ours, theirs, paired=False)  # the drift, timed apart, hides the 5%
+    assert apart.low is not None and apart.low < 1.0 and stats.verdict(apart).startswith("within noise")
+    assert stats.paired_ratio(ours, theirs) == ratio  # a fixed seed: the same steps, the same interval
+
+
+def test_two_noisy_equal_sides_are_within_noise_with_its_width() -> None:
+    ours, theirs = _noisy(1.0, 0.2, 15, 3), _noisy(1.0, 0.2, 15, 4)
+    ratio = stats.paired_ratio(ours, theirs)
+    assert ratio.low is not None and ratio.low < 1.0 < (ratio.high or 0.0)
+    text = stats.verdict(ratio)
+    assert text.startswith("within noise (±") and f"{ratio.noise:.1%}" in text and "95% CI" in text
+    few = stats.paired_ratio(ours[:3], theirs[:3])  # three pairs: no interval, so no verdict either
+    assert few.interval is None and stats.verdict(few).startswith("not judged")
+    with pytest.raises(ValueError, match="a pair needs one step of each side"):
+        stats.paired_ratio(ours, theirs[:-1])
+
+
+def test_a_speedup_past_its_bound_is_noise_or_flagged_never_a_share_above_100_percent() -> None:
+    baseline = _noisy(1.0, 0.02, 15, 5)
+    below = stats.paired_ratio(baseline, _noisy(0.6, 0.02, 15, 6))  # 1.67x of a bound 2
+    assert stats.against_bound(below, 2.0) == "83% of its bound 2.00x"
+    wide = stats.paired_ratio(baseline, _noisy(0.55, 0.6, 15, 6))
+    assert stats.against_bound(wide, 2.0).endswith("of its bound 2.00x (the bound within the noise)")
+    noisy = stats.paired_ratio(_noisy(1.0, 0.25, 15, 7), _noisy(0.95, 0.25, 15, 8))  # 1.05x, bound 1: noise
+    assert noisy.value > 1.0 and stats.against_bound(noisy, 1.0) == "at its bound 1.00x within noise"
+    past = stats.paired_ratio(baseline, _noisy(0.45, 0.02, 15, 9))  # 2.2x of a bound 2, the interval above it
+    flagged = stats.against_bound(past, 2.0)
+    assert flagged.startswith("above its bound 2.00x by more than the noise") and "%" not in flagged
+
+
+def test_sides_take_turns_step_by_step_a_b_b_a() -> None:
+    from paratrain.bench import worker
+
+    two = [worker._Side(jobs.Spec("ddp", 2)), worker._Side(jobs.Spec("torch-ddp", 2))]
+    order = ["".join("AB"[two.index(side)] for side in worker.turn(two, k)) for k in range(4)]
+    assert order == ["AB", "BA", "BA", "AB"]
+    three = [worker._Side(jobs.Spec(name, 2)) for name in ("ddp", "torch-ddp", "no-comm")]
+    firsts = [worker.turn(three, k)[0] for k in range(6)]
+    assert all(firsts.count(side) == 2 for side in three)  # each side leads equally often
+
+
+def test_finalise_pairs_each_run_with_its_baseline_and_reference_and_prints_their_intervals(
+        tmp_path: Path) -> None:
+    """The one-worker baseline and the reference timed in the same rounds as the run: the speedup and the ratio
+    are medians of paired ratios with their intervals; results.json holds them; a single measured apart (here
+    slow) does not move a speedup that has its own baseline."""
+    n = 15
+    baseline, ddp = _noisy(1.0, 0.02, n, 10, DRIFT), _noisy(0.55, 0.02, n, 11, DRIFT)
+    torch_ddp, pp = _noisy(0.5, 0.02, n, 12, DRIFT), _noisy(1.0, 0.3, n, 13, DRIFT)
+    runs = [schema.record(jobs.Spec("single", 1), "ok", None, 1.0, _noisy(1.3, 0.02, n, 14), 10.0),
+            schema.record(jobs.Spec("ddp", 2), "ok", None, 2.0, ddp, 10.0, single_times=baseline),
+            schema.record(jobs.Spec("torch-ddp", 2), "ok", None, 2.0, torch_ddp, 10.0, single_times=baseline),
+            schema.record(jobs.Spec("pp", 2, 1, "gpipe"), "ok", None, 1.0, pp, 10.0, single_times=baseline),
+            schema.record(jobs.Spec("torch-pipelining", 2, 1, "gpipe"), "ok", None, 1.0, pp[::-1], 10.0,
+                          single_times=baseline)]
+    results = {**_fake_results(), "runs": schema.finalise(runs, 8, tokens_per_sample=TOKENS, flops_per_step=int(FLOPS),
+                                                          peak_flops_per_s=PEAK)}
+    data = schema.as_json(results)
+    schema.validate(data)
+    by = {r["strategy"]: r for r in data["runs"]}
+    assert by["single"]["speedup_vs_single"] == 1.0 and by["single"]["speedup_ci"] is None
+    ddp_run = by["ddp"]
+    assert ddp_run["speedup_vs_single"] == pytest.approx(1 / 0.55, rel=0.03)  # not 1.3 / 0.55: single ran apart
+    low, high = ddp_run["speedup_ci"]
+    assert low < ddp_run["speedup_vs_single"] < high and ddp_run["single_step_times_s"] == pytest.approx(baseline)
+    low, high = ddp_run["ratio_ci"]
+    assert 1.0 < low < ddp_run["vs_reference"] < high and ddp_run["vs_reference"] == pytest.approx(1.1, rel=0.03)
+    lines = report.comparisons(results["runs"])
+    assert lines[0].startswith("ddp on 2 worker(s) / torch-ddp: slower (x1.")
+    assert lines[1].startswith("pp on 2 worker(s), 1 micro-batches / torch-pipelining: within noise (±")
+    summary = "\n".join(report.summary(results["runs"]))
+    assert "ddp on 2 worker(s): 1.8" in summary and "% of its bound 2.00x" in summary
+    assert "pp on 2 worker(s), M=1, gpipe: 1.16x single (95% CI 0.90-1.23), at its bound 1.00x within noise" in summary
+    assert "95% CI" in report.table(results["runs"]).splitlines()[0]
+    broken = json.loads(json.dumps(data))
+    broken["runs"][1]["ratio_ci"] = [1.2, 1.1]
+    broken["runs"][0]["speedup_ci"] = [0.9, 1.1]
+    broken["runs"][0]["speedup_vs_single"] = None
+    with pytest.raises(ValueError) as err:
+        schema.validate(broken)
+    assert "runs[1]: ratio_ci must be [low, high]" in str(err.value)
+    assert "runs[0]: speedup_ci without speedup_vs_single" in str(err.value)
+    busy = {"cores": 2, "load_average": {"start": 5.0, "end": 7.0}}  # others' work: noted, since it lowers speedups
+    assert "other work shared this machine" in (bench_cli._busy({"machine": busy, "runs": runs}) or "")
+    quiet = {"cores": 2, "load_average": {"start": 0.3, "end": 2.6}}  # the end's load is this run's 2 workers
+    assert bench_cli._busy({"machine": quiet, "runs": runs}) is None
+    written = plots.write_all(results, tmp_path)
+    assert "intervals.png" in [p.name for p in written]
+    _png(tmp_path / "intervals.png")
+
+
 def test_plots_bar_chart_microbatch_curve_and_scaling(tmp_path: Path) -> None:
     written = plots.write_all(_fake_results(), tmp_path)
-    assert sorted(p.name for p in written) == ["microbatch_tradeoff.png", "scaling.png", "strategy_times.png",
-                                               "throughput.png"]
+    assert sorted(p.name for p in written) == ["intervals.png", "microbatch_tradeoff.png", "scaling.png",
+                                               "strategy_times.png", "throughput.png"]
     for path in written:
         _png(path)
 
@@ -365,7 +476,7 @@ def test_bench_end_to_end_on_cpu_workers(tmp_path: Path) -> None:
     reported not applicable with its reason; the references run beside ddp and pp; plots are written."""
     out = tmp_path / "bench"
     proc = paratrain("bench", "--workload", "toy", "--strategies", "single,dp,ddp,pp", "--workers", "2",
-                     "--microbatches", "2", "--batch-size", "20", "--steps", "2", "--repeat", "2", "--warmup", "1",
+                     "--microbatches", "2", "--batch-size", "20", "--steps", "3", "--repeat", "2", "--warmup", "1",
                      "--out", str(out), timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:]
     results = json.loads((out / "results.json").read_text())
@@ -378,11 +489,15 @@ def test_bench_end_to_end_on_cpu_workers(tmp_path: Path) -> None:
     for key, run in runs.items():
         if key[0] != "dp":
             assert run["status"] == "ok", run
-            assert len(run["step_times_s"]) == 2 * 2 and run["peak_memory_mb"] > 0
-    assert runs[("ddp", 2, None)]["vs_reference"] > 0 and runs[("pp", 2, 2)]["vs_reference"] > 0
+            assert len(run["step_times_s"]) == 2 * 3 and run["peak_memory_mb"] > 0
+    for key in (("ddp", 2, None), ("pp", 2, 2)):  # paired with its reference and the one-worker baseline
+        run = runs[key]
+        assert run["vs_reference"] > 0 and run["ratio_ci"][0] <= run["ratio_ci"][1], run
+        assert len(run["single_step_times_s"]) == 6 and run["speedup_ci"][0] <= run["speedup_ci"][1], run
     assert runs[("pp", 2, 2)]["schedule"] == "1f1b" and runs[("single", 1, None)]["speedup_vs_single"] == 1.0
     assert "paratrain / hand-written PyTorch" in proc.stdout and "torch-pipelining" in proc.stdout
-    for name in ("strategy_times.png", "microbatch_tradeoff.png"):
+    assert "95% CI" in proc.stdout and "one worker (baseline)" in proc.stdout
+    for name in ("strategy_times.png", "microbatch_tradeoff.png", "intervals.png"):
         _png(out / name)
     assert "| ddp | 2 |" in (out / "table.md").read_text()
 

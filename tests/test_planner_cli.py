@@ -38,7 +38,7 @@ def test_validate_runs_layouts_here_and_writes_validation_json(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "val"
     code = cli_main(["plan", "--workload", "toy", "--global-batch", "8", "--cluster", "local", "--validate",
-                     "--layouts", "ddp 2", "--steps", "2", "--warmup", "1", "--repeat", "1", "--timeout", "120",
+                     "--layouts", "ddp 2", "--steps", "5", "--warmup", "1", "--repeat", "1", "--timeout", "120",
                      "--out", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text[-3000:]
@@ -50,6 +50,11 @@ def test_validate_runs_layouts_here_and_writes_validation_json(tmp_path: Path,
         for key in ("predicted_step_s", "measured_step_s", "predicted_peak_bytes", "measured_peak_bytes"):
             assert isinstance(r[key], float) and r[key] > 0, (key, r)
         assert r["step_error"] == r["predicted_step_s"] / r["measured_step_s"] - 1
+        # against the round's single, timed in another launch: an interval from both samples
+        low, high = r["measured_vs_single_ci"]
+        assert len(r["measured_step_times_s"]) == 5 and 0 < low <= high, r
+        assert r["relative_step_error_ci"][0] <= r["relative_step_error_ci"][1]
+    assert "meas. / round single (95% CI)" in text
     local = json.loads((out / "cluster-local.json").read_text())
     assert local["measured_here"] and local["kind"] == "cpu" and set(local["collectives"]) == {
         "all_reduce", "all_gather", "reduce_scatter", "p2p"}
@@ -60,6 +65,24 @@ def test_validate_runs_layouts_here_and_writes_validation_json(tmp_path: Path,
     unit = local["fsdp_unit_overhead"]
     assert isinstance(local["tp_overhead_us"], float) and local["tp_overhead_us"] >= 0
     assert unit["alpha_us"] * 1e-6 + unit["beta_s_per_gb"] * 4 * 512 * 513 / 1e9 > 0
+
+
+def test_validation_says_whether_the_pick_missed_the_fastest_by_more_than_the_noise() -> None:
+    from paratrain.planner import validate
+
+    def record(layout: str, predicted: float, times: list[float]) -> dict[str, object]:
+        return {"layout": layout, "status": "ok", "predicted_step_s": predicted, "measured_step_s": sorted(times)[2],
+                "predicted_peak_bytes": 1.0, "measured_peak_bytes": 1.0, "step_error": 0.0, "memory_error": 0.0,
+                "measured_step_times_s": times}
+
+    fastest = [1.0, 1.02, 0.98, 1.01, 0.99]
+    noisy = validate.summary([record("a", 1.0, [1.03, 0.8, 1.25, 0.95, 1.1]), record("b", 2.0, fastest)])
+    low, high = noisy["predicted_fastest_vs_measured_fastest_ci"]
+    assert noisy["measured_fastest"] == "b" and low < 0 < high  # the pick's 3% is within its noise
+    clear = validate.summary([record("a", 1.0, [t * 1.2 for t in fastest]), record("b", 2.0, fastest)])
+    assert clear["predicted_fastest_vs_measured_fastest_ci"][0] > 0.1
+    text = validate.table([record("a", 1.0, [t * 1.2 for t in fastest]), record("b", 2.0, fastest)], "now")
+    assert "beyond the noise" in text and "95% CI +" in text
 
 
 def test_validate_refuses_other_hardware_and_analytic_models(capsys: pytest.CaptureFixture[str]) -> None:

@@ -166,6 +166,26 @@ def test_cpu_pipeline_ranks_keep_the_high_water_of_their_build() -> None:
     assert predict.predict(prof, layout, _cluster(), 16).memory.retained == 0  # GPU peaks are allocator peaks
 
 
+def test_the_build_is_a_peak_of_its_own_whole_on_every_rank_or_a_share_from_the_meta_device() -> None:
+    prof = _profile(params=10**8)  # 8 layers of 0.4 GB: 3.2 GB of float32 weights
+    whole, layer = prof.param_bytes, 4 * 10**8
+    fsdp = Layout(strategy="fsdp", dp=4)
+    cpu = _cluster(kind="cpu", device={"peak_tflops": {"32": 1}, "memory_gib": 3.5, "memory_bandwidth_gbps": 10})
+    built = predict.predict(prof, fsdp, cpu, 16, optimizer="sgd")
+    meta = predict.predict(replace(prof, built="meta"), fsdp, cpu, 16, optimizer="sgd")
+    assert built.memory.build == whole + whole / 4  # the whole model, and the share the layout copies out of it
+    assert meta.memory.build == whole / 4 + layer  # its share, and one layer made whole at a time
+    assert built.memory.total == whole * 1.25 > meta.memory.total  # the build is the peak of the whole build
+    assert not built.fits and "build 3.7" in built.reason and "meta device" in built.reason
+    assert meta.fits, meta.reason
+    one = predict.predict(prof, Layout(strategy="single"), cpu, 16, optimizer="sgd").memory
+    assert one.build == whole and one.total > one.build  # one process: the step holds more than the build
+    on_gpu = predict.predict(prof, fsdp, _cluster(), 16, optimizer="sgd").memory
+    assert on_gpu.build == 0  # a whole build is host memory, which a GPU's peak does not count
+    pp = Layout(strategy="pp", pp=2, schedule="1f1b", microbatches=2)
+    assert predict.predict(replace(prof, built="meta"), pp, cpu, 16).memory.retained == 0  # balanced by bytes
+
+
 def test_layouts_that_cannot_run_say_why() -> None:
     prof, c = _profile(layers=3), _cluster()
     assert "fewer than the 4 stages" in predict.predict(prof, Layout(strategy="pp", pp=4, microbatches=4,
@@ -425,3 +445,37 @@ def test_validation_passes_measure_every_layout_again_in_reverse_order() -> None
     assert summary["pass_worst_disagreement"] == pytest.approx(0.5)
     assert summary["pass_median_disagreement"] == pytest.approx(0.0)
     assert "pass 1 vs pass 2" in validate.table(records, "now")
+
+
+def test_a_meta_model_is_profiled_a_layer_at_a_time_and_stays_on_meta() -> None:
+    import meta_cases as cases
+
+    from paratrain import weights
+    from paratrain.planner import choose
+    from paratrain.planner.profile import measure
+
+    x, _ = cases.data()
+    with torch.device("meta"):
+        model = cases.build("llama")
+    made: list[int] = []
+    real = weights.real_layer(model, weights.source_for(model, 0, None), torch.device("cpu"))
+
+    def counted(layer: nn.Module) -> nn.Module:
+        made.append(sum(p.numel() for p in layer.parameters()))
+        return real(layer)
+
+    def run(m: nn.Module, **kw: object) -> Profile:
+        return measure(m, lambda b: (choose.resized(x, b), None), choose._StandInLoss(), [2, 4], name="llama",
+                       optimizer="sgd", repeats=1, device=torch.device("cpu"), **kw)  # type: ignore[arg-type]
+
+    with pytest.raises(ParatrainError, match="meta device"):
+        run(model)
+    meta = run(model, real=counted)
+    plain = run(cases.build("llama"))
+    assert meta.built == "meta" and plain.built == "whole"
+    assert [(c.name, c.params) for c in meta.layers] == [(c.name, c.params) for c in plain.layers]
+    assert made == [c.params for c in meta.layers]  # each layer made real once, alone
+    assert weights.has_meta(model) and all(p.is_meta for p in model.parameters())
+    assert all(c.seconds[4][0] > 0 for c in meta.layers) and meta.tp_width == plain.tp_width
+    for ours, theirs in zip(meta.layers, plain.layers):  # counted on meta, within attention's kernel choice
+        assert ours.flops_fwd == pytest.approx(theirs.flops_fwd, rel=0.15), ours.name

@@ -1,6 +1,7 @@
 """N-D layouts beyond the matrix: HSDP (ddp+fsdp), the user's own loop (`run.backward`) under ddp+tp, a user
-`tp_plan` that makes a refused model train, and a forward that would silently compute the wrong heads.
-Checkpoints across N-D layouts: tests/test_resume_layouts.py."""
+`tp_plan` that makes a refused model train, and a forward that would silently compute the wrong heads; checkpoints
+of strided DTensors (fused projections, FSDP over tensor parallelism): exact across layouts, and saved and loaded
+without gathering them. Checkpoints across N-D layouts: tests/test_resume_layouts.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from zoo.compare import mismatches
 from zoo.reference import Optim, chunk, global_batches, run_reference
 
 import paratrain
+from paratrain.checkpoint import strided
 
 SIZES = (8, 8)
 MLP_ONLY = {"blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"}
@@ -162,9 +164,12 @@ def _adam_state(run: paratrain.Run, model: torch.nn.Module, optimizer: torch.opt
     return out
 
 
-def _strided_checkpoint(strategy: str, options: dict[str, Any], folder: str, save: bool) -> dict[str, Any]:
+def _strided_checkpoint(strategy: str, options: dict[str, Any], folder: str, save: bool,
+                        native: bool = True) -> dict[str, Any]:
     """Hugging Face GPT-2 (its Conv1D attention fused as q, k, v: a strided DTensor under tensor parallelism) with
-    AdamW: one step then saved, or a fresh model loaded from what was saved."""
+    AdamW: one step then saved, or a fresh model loaded from what was saved (`native`: see
+    `_strided_save_load_memory`)."""
+    strided.NATIVE = native
     case = zoo.MODELS["hf_gpt2"]
     run = paratrain.setup(strategy=strategy, seed=0, accelerator="cpu", timeout_s=120, checkpoint_dir=folder,
                           **options)
@@ -191,15 +196,182 @@ def _strided_checkpoint(strategy: str, options: dict[str, Any], folder: str, sav
 
 
 @pytest.mark.timeout(240)
-def test_fused_weights_checkpoint_whole_and_load_under_any_layout(tmp_path: Any) -> None:
-    """A checkpoint of strided DTensors (written whole, each rank taking its pieces back) loads into another tensor
-    degree and into one process, weights and Adam's moments exactly as saved."""
+@pytest.mark.parametrize("native", [True, False], ids=["regions", "plain-split"])
+def test_fused_weights_checkpoint_whole_and_load_under_any_layout(tmp_path: Any, native: bool) -> None:
+    """A checkpoint of strided DTensors (each rank writing its pieces as regions of the whole tensor, or on an older
+    torch a plain split of it) loads into the same layout, another tensor degree and one process, weights and
+    Adam's moments exactly as saved."""
+    if native and not strided.NATIVE:
+        pytest.skip("this torch's DCP takes one region per tensor")
     folder = str(tmp_path)
-    saved = paratrain.launch(_strided_checkpoint, "fsdp+tp", {"tp_size": 2}, folder, True, nproc=4, timeout=200,
-                             accelerator="cpu")
-    for strategy, nproc in (("tp", 2), ("single", 1)):
-        loaded = paratrain.launch(_strided_checkpoint, strategy, {}, folder, False, nproc=nproc, timeout=200,
-                                  accelerator="cpu")
+    saved = paratrain.launch(_strided_checkpoint, "fsdp+tp", {"tp_size": 2}, folder, True, native, nproc=4,
+                             timeout=200, accelerator="cpu")
+    for strategy, nproc in (("fsdp+tp", 4), ("tp", 2), ("single", 1)):
+        options = {"tp_size": 2} if strategy == "fsdp+tp" else {}
+        loaded = paratrain.launch(_strided_checkpoint, strategy, options, folder, False, native, nproc=nproc,
+                                  timeout=200, accelerator="cpu")
         assert sorted(loaded) == sorted(saved)
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), (strategy, key)
+
+
+def _resident() -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes since the last `_reset_peak`): /proc/self/statm and VmHWM."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return now, peak
+
+
+def _reset_peak() -> None:
+    """Free memory goes back to the system (else a phase reusing what an earlier one freed looks free), then VmHWM
+    starts again from the resident set now."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _mmap_large() -> None:
+    """Every allocation above 1 MiB its own mapping, unmapped when freed (glibc otherwise raises its threshold to
+    the largest block freed and keeps such blocks), so the resident set follows the tensors alive."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def _strided_save_load_memory(folder: str, native: bool) -> dict[str, Any]:
+    """Under fsdp+tp 2 x 2, four Linear(d, 4d) -> GELU -> Linear(4d, d) blocks with SGD momentum: the first Linear
+    of each block (weight, bias and their momenta) is a strided DTensor (FSDP's shard of a column-parallel one),
+    half of the state. How much each of `run.save` and `run.load` adds to the rank's resident set at its peak,
+    and whether the load gave every local piece back exactly (`native`: DCP's regions of one local tensor; else
+    the older torch's plain-split fallback)."""
+    from torch.distributed.tensor import DTensor
+
+    strided.NATIVE = native
+    _mmap_large()
+    run = paratrain.setup(strategy="fsdp+tp", tp_size=2, seed=0, accelerator="cpu", timeout_s=120,
+                          checkpoint_dir=folder)
+    try:
+        d = 1024
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(),
+                                                          torch.nn.Linear(4 * d, d)) for _ in range(4)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(2, d, generator=torch.Generator().manual_seed(run.rank // 2))
+        model, optimizer = run.prepare(model, optimizer, example=x)
+        run.forward_backward(model, x, x, torch.nn.functional.mse_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        held = [t for p in run.unwrap(model).parameters() for t in (p, optimizer.state[p]["momentum_buffer"])]
+        assert all(isinstance(t, DTensor) for t in held)
+        whole = [t.numel() * t.element_size() for t in held]
+        out = {"share": sum(t.to_local().numel() * t.element_size() for t in held), "largest": max(whole),
+               "strided": sum(w for w, t in zip(whole, held) if strided._is_strided(t)), "total": sum(whole)}
+        before = [t.to_local().clone() for t in held]
+        state = {"model": model, "optimizer": optimizer, "step": 1}
+        _reset_peak()
+        start, _ = _resident()
+        run.save(state)
+        out["save"] = _resident()[1] - start
+        with torch.no_grad():
+            for t in held:
+                t.to_local().zero_()
+        _reset_peak()
+        start, _ = _resident()
+        run.load(state)
+        out["load"] = _resident()[1] - start
+        out["restored"] = all(torch.equal(t.to_local(), b) for t, b in zip(held, before))
+        return out
+    finally:
+        run.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("native", [True, False], ids=["regions", "plain-split"])
+def test_strided_tensors_are_saved_and_loaded_without_gathering_them(tmp_path: Any, native: bool) -> None:
+    """run.save and run.load of strided DTensors stay within the sharded goal (a rank holds at most its share,
+    a quarter more, and the largest tensor): DCP writes and reads each rank's regions of them in place (torch
+    >= 2.14), or (older torch) they are re-split plainly one tensor at a time. Writing them whole, as before, made
+    every rank hold all of them at once: the whole of half the state, 4x its share here."""
+    if native and not strided.NATIVE:
+        pytest.skip("this torch's DCP takes one region per tensor")
+    results = paratrain.launch(_strided_save_load_memory, str(tmp_path), native, nproc=4, timeout=250,
+                               accelerator="cpu", all_ranks=True)
+    for rank, got in enumerate(results):
+        assert got["restored"], f"rank {rank}: the load did not give back the saved pieces"
+        assert got["strided"] >= got["total"] / 2  # strided tensors are half the state: whole, 2x a rank's share
+        bound = 0.25 * got["share"] + got["largest"]
+        if not native:  # a second copy of the rank's share of the strided tensors, and one tensor gathered (its
+            bound += got["strided"] / 4 + 2 * got["largest"]  # pieces and their join)
+        for phase in ("save", "load"):
+            assert got[phase] <= bound, (f"rank {rank}: {phase} added {got[phase] / 1e6:.1f} MB to the resident set, "
+                                         f"more than {bound / 1e6:.1f} MB (share {got['share'] / 1e6:.1f} MB, "
+                                         f"strided tensors whole {got['strided'] / 1e6:.1f} MB)")
+
+
+REGION_CASES = [((8, 6), "strided0,shard0"), ((10, 6), "strided0,shard0"), ((7, 9), "shard0,strided1"),
+                ((3, 8, 12), "replicate,strided2"), ((4, 6, 10), "shard0,strided2"), ((5, 12), "strided1,replicate")]
+"""(whole shape, placements on a 2 x 2 mesh): FSDP over a column-parallel weight, evenly and not; a fused q/k/v
+weight under fsdp+tp; an expert's gate/up weight under tp, and under fsdp+tp; one replicated over the other axis."""
+
+
+def _placement(name: str) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if name == "replicate":
+        return Replicate()
+    dim = int(name[-1])
+    return _StridedShard(dim, split_factor=3 if dim == 1 else 2) if name.startswith("strided") else Shard(dim)
+
+
+def _regions_of_pieces() -> list[str]:
+    """On a 2 x 2 mesh: each case's whole tensor (distinct values) split by DTensor; this rank's regions must each
+    equal their place in the whole tensor, cover its local piece exactly once, and (all ranks) every element of the
+    whole tensor as often as it is replicated."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        problems = []
+        for shape, names in REGION_CASES:
+            placements = [_placement(n) for n in names.split(",")]
+            whole = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+            piece = distribute_tensor(whole, mesh, placements, src_data_rank=None)
+            local, found = piece.to_local(), strided.regions(piece)
+            seen = torch.zeros_like(local)
+            for g, lo, size in found:
+                at_local = tuple(slice(o, o + s) for o, s in zip(lo, size))
+                at_whole = tuple(slice(o, o + s) for o, s in zip(g, size))
+                if not torch.equal(local[at_local], whole[at_whole]):
+                    problems.append(f"{shape} {names}: region {g} {size} holds other values")
+                seen[at_local] += 1
+            if not bool((seen == 1).all()):
+                problems.append(f"{shape} {names}: the regions cover the local piece unevenly")
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, found)
+            count = torch.zeros(shape, dtype=torch.long)
+            for regions in every:
+                for g, _, size in regions:
+                    count[tuple(slice(o, o + s) for o, s in zip(g, size))] += 1
+            copies = 2 if "replicate" in names else 1
+            if not bool((count == copies).all()):
+                problems.append(f"{shape} {names}: the ranks' regions do not tile the whole tensor")
+        return problems
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_strided_piece_is_found_as_regions_of_the_whole_tensor() -> None:
+    for rank, problems in enumerate(paratrain.launch(_regions_of_pieces, nproc=4, timeout=100, accelerator="cpu",
+                                                     all_ranks=True)):
+        assert not problems, f"rank {rank}: {problems}"

@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from .data import ShardedLoader
     from .launcher.spawn import WorkerFailed
     from .observe import Profile, profile  # type: ignore[no-redef]
+    from .parallel.expert import global_rows
     from .weights import empty_init
 
 __version__ = "0.1.0"
 
 _LAZY = {"Run": "api", "setup": "api", "ShardedLoader": "data", "WorkerFailed": "launcher.spawn",
-         "Profile": "observe", "profile": "observe", "empty_init": "weights"}
+         "Profile": "observe", "profile": "observe", "empty_init": "weights", "global_rows": "parallel.expert"}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,4 +50,4 @@ def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 
 __all__ = ["CheckpointError", "CollectiveTimeout", "ParatrainError", "Profile", "Run", "ShardedLoader", "WorkerFailed",
-           "empty_init", "launch", "profile", "setup"]
+           "empty_init", "global_rows", "launch", "profile", "setup"]

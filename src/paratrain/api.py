@@ -11,7 +11,7 @@ import logging
 import os
 import random
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +25,18 @@ from .data import ShardedLoader, claim_weight
 from .data.plan import ONE, Weight
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
-from .observe import Breakdown, MetricLog
+from .memstats import give_back_freed
+from .observe import Breakdown, MetricLog, StragglerWatch
 from .parallel import activation_checkpoint
 from .parallel import compile as compile_blocks
+from .parallel.expert.router_stats import Rows
+from .parallel.expert.router_stats import install as watch_router_statistics
 from .parallel.microbatch import batch_size
 from .parallel.random_calls import RandomCalls
 from .parallel.random_calls import watch as watch_random_calls
 from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
-from .parallel.step_state import activate
+from .parallel.step_state import StepState, activate
+from .parallel.step_state import active as active_state
 from .precision import apply_autocast, make_scaler
 from .step import PreparedOptimizer, Step, rebind
 from .strategies.base import Context, LossFn, Strategy
@@ -73,6 +77,13 @@ class Run:
                                   all_reduce_sum=functools.partial(collectives.all_reduce, op="sum", device=ctx.device),
                                   log_dir=config.log_dir, checkpoint_dir=config.checkpoint_dir,
                                   progress=config.progress)
+        self._stragglers = StragglerWatch(
+            rank=self.rank, world_size=self.world_size, threshold=config.straggler_threshold,
+            window=config.straggler_window, timing=self.timing,
+            all_reduce_sum=functools.partial(collectives.all_reduce, op="sum", device=ctx.device),
+            guard=watch.op_scope, layout=lambda: self.strategy.data_shard(self.ctx), beats=watch.read,
+            report=self._metrics.event)
+        """Names a rank slower than its peers, once, on rank 0 (observe/stragglers.py); fed after each micro-step."""
         self._global_batch: int | None = None
         self._built: list[tuple[nn.Module, nn.Module]] = []
         """(prepared model, the user's model) pairs: `export` writes in the user's names and config."""
@@ -132,18 +143,18 @@ class Run:
         activate(self.step.state)  # this run's micro-step state, whatever another run in the process did
         meta = weights.has_meta(model)
         source = weights.source_for(model, self.config.seed, init_from) if meta or init_from is not None else None
+        if self._auto:  # a meta model is measured a layer at a time, each made real with its initial values
+            self._choose_layout(model, optimizer, example,
+                                weights.real_layer(model, source, self.device) if meta and source is not None else None)
         if source is not None and (not meta or not self.strategy.sharded_state):
             weights.materialize(model, source, self.device, everything=init_from is not None)
             meta = False  # whole on this rank, as the layout holds it
-        if self._auto:
-            if meta:
-                raise ParatrainError(
-                    "strategy='auto' measures the model to choose a layout, and a model built on the meta device "
-                    "has no values to measure; name the layout (e.g. setup(strategy='fsdp')), or let `paratrain "
-                    "plan` choose one for a smaller build of the same model")
-            self._choose_layout(model, optimizer, example)
         before = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
         apply_layout_dropout(model)
+        replica, replicas = self.strategy.data_shard(self.ctx)  # what a forward sees, for router statistics
+        parts = self.config.grad_accum * (2 if self.strategy.microbatched else 1)
+        self.step.state.rows = Rows(replica, replicas, parts)
+        watch_router_statistics(model)
         checkpointing, compiling = self.config.activation_checkpointing, self.config.compile
         if not self.strategy.microbatched:  # per block, before sharding (torchtitan's order)
             units = activation_checkpoint.blocks(model)
@@ -155,6 +166,7 @@ class Run:
                 wrapped = self.strategy.wrap(model, self.ctx, example)
             replaced = weights.materialize(self.strategy.unwrap(wrapped), source, self.device)
             weights.settle(wrapped, replaced)
+            give_back_freed()
         else:
             wrapped = self.strategy.wrap(model, self.ctx, example)
         self._built.append((wrapped, model))
@@ -178,7 +190,8 @@ class Run:
         self._optimizers.append(optimizer)
         return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase)
 
-    def _choose_layout(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, example: Any) -> None:
+    def _choose_layout(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, example: Any,
+                       real: Callable[[nn.Module], nn.Module] | None = None) -> None:
         """strategy="auto": rank 0 asks the planner, every rank switches to its answer (one broadcast)."""
         self._auto = False
         if example is None:
@@ -197,7 +210,7 @@ class Run:
                     global_batch=self._global_batch or choose.rows(example) * self.world_size,
                     precision=self.config.precision, grad_accum=self.config.grad_accum,
                     pipelines=self.config.auto_pipelines, device=self.device,
-                    accepts=self._refusal, say=self.print)
+                    accepts=self._refusal, say=self.print, real=real)
                 box[0] = (picked.setup, picked.line)
             except Exception as e:  # ddp is right for every model: fall back to it, saying why
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -256,6 +269,7 @@ class Run:
     # -- the step -------------------------------------------------------------------------------
     def _scaled_backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), divided over the accumulation window and scaled for fp16."""
+        self.timing.backward_starts()  # where the slow-rank watch splits own work from waiting (observe/stragglers.py)
         if self.config.grad_accum > 1:
             loss = loss / self.config.grad_accum
         if self.scaler is not None:
@@ -271,6 +285,7 @@ class Run:
         weight = claim_weight(self._loaders)
         with self._watch.op_scope("backward"), self.step.micro(), self.timing.micro_step():  # DDP syncs in here
             self._scaled_backward(loss if weight.loss == 1.0 else loss * weight.loss)
+        self._stragglers.after_micro_step(self.step, joining=self._joining)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -294,6 +309,7 @@ class Run:
         with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
             loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
                                                   self.ctx)
+        self._stragglers.after_micro_step(self.step, joining=self._joining)
         return loss if weight.window == 1.0 else loss / weight.window
 
     def _hand_sliced(self, inputs: Any) -> Weight:
@@ -410,11 +426,13 @@ class Run:
         extra = {"step": step, "micro": self.step.count, "scaler": self.scaler.state_dict() if self.scaler else None,
                  "strategy": self.strategy.name, "world_size": self.world_size}
         with self._watch.op_scope("save"):
-            return checkpoint.save(
+            written = checkpoint.save(
                 self._root(path), step, state, rank=self.rank, world_size=self.world_size,
                 unwrap=self.strategy.unwrap, sharded_state=self.strategy.sharded_state,
                 keep=self.config.keep_last, extra=extra,
             )
+        give_back_freed()
+        return written
 
     def load(self, state: dict[str, Any], path: str | Path | None = None) -> bool:
         """Restore the newest complete checkpoint (or `path`) into `state` in place; False on a fresh start.
@@ -430,6 +448,7 @@ class Run:
             extra = checkpoint.load(target, state, rank=self.rank, world_size=self.world_size,
                                     unwrap=self.strategy.unwrap, map_location=self.device,
                                     sharded_state=self.strategy.sharded_state, verified=not one)
+        give_back_freed()
         self.step.restore(int(extra.get("micro", 0)))
         self._saves = int(extra.get("step", -1)) + 1  # unnamed saves continue the numbering
         self._metrics.start(int(extra.get("step", 0)), self.step.count)  # the logs continue from this step
@@ -438,22 +457,31 @@ class Run:
         self.print(f"paratrain: resumed from {target}")
         return True
 
-    def export(self, model: nn.Module, path: str | os.PathLike[str], *, max_shard_size: int = 2 * 1024**3) -> Path:
+    def export(self, model: nn.Module, path: str | os.PathLike[str], *, max_shard_size: int = 2 * 1024**3,
+               adapters_only: bool | None = None) -> Path:
         """Write the prepared `model`'s whole weights to `path` as Hugging Face does (safetensors files of at most
-        `max_shard_size` bytes with an index, the config of a transformers model), from any layout, a tensor at a
-        time: no rank gathers the model. Collective. Load it with `from_pretrained(path)`, `init_from=path` or
-        `load_state_dict`."""
+        `max_shard_size` bytes with an index, the config of a transformers model), from any layout: no rank
+        gathers the model. Collective. Load it with `from_pretrained(path)`, `init_from=path` or
+        `load_state_dict`. Each rank writes the blocks it holds where they lie in the files (they must share the
+        folder, as they share checkpoints). A LoRA model (peft) writes its adapters only, as `save_pretrained` does
+        (`adapter_model.safetensors`, `adapter_config.json`: `PeftModel.from_pretrained(base, path)`), unless
+        `adapters_only=False` (the whole model, in its own names)."""
         pair = next(((prepared, user) for prepared, user in self._built if model in (prepared, user)), None)
         if pair is None:
             raise ParatrainError("run.export takes the model run.prepare returned; prepare it first")
         with self._watch.op_scope("export"):
-            return weights.export(self.strategy.unwrap(pair[0]), pair[1], path, self.rank, max_shard_size)
+            folder = weights.export(self.strategy.unwrap(pair[0]), pair[1], path, self.rank, max_shard_size,
+                                    adapters_only)
+        give_back_freed()
+        return folder
 
     def close(self) -> None:
         self._metrics.close()
         self._watch.stop()
         self._stop.uninstall()
         runtime.destroy_process_group()
+        if active_state() is self.step.state:  # the model used after the run is outside any run's layout
+            activate(StepState())
 
 
 def setup(**kwargs: Any) -> Run:

@@ -63,7 +63,15 @@ class Config:
     """Rank 0's progress bar on stderr, advanced by `run.log`: None shows it when stderr is a terminal."""
     profile: bool = False
     """Time every step's data wait, compute, exposed communication and optimizer on each rank, for `run.log`
-    (see observe/breakdown.py); costs a clock read per phase, and a device synchronisation on CUDA."""
+    (see observe/breakdown.py); costs a clock read (a CUDA event on CUDA) per phase."""
+    straggler_threshold: float | None = 0.2
+    """Name a rank whose own work per step (waiting for data, forward/backward, optimizer) exceeds the median of
+    its data-parallel peers' by more than this fraction (and by 1 ms), while they wait for it, in three windows of
+    steps running: rank 0 prints the rank, its host, how much slower and in which phase once, and appends the
+    event to metrics.jsonl (observe/stragglers.py). None turns the check off: no timing, no collective."""
+    straggler_window: int = 20
+    """Optimizer steps per window of that check (a window also lasts at least a second, so its one small
+    all-reduce stays a negligible share of a run of short steps)."""
     batchnorm: BatchNormMode = "exact"
     """BatchNorm when a batch is split over workers or micro-batches: "exact" (whole-batch statistics,
     all-reduced over data-parallel workers on any device; refused for micro-batches and traced stages) or
@@ -114,6 +122,12 @@ class Config:
     the whole world for "tp" alone). See parallel/dims.py."""
     dp_replicate: int | None = None
     """Replicas of hybrid sharding ("ddp+fsdp"): FSDP shards within each, DDP-style averaging across (default 2)."""
+    cp_size: int | None = None
+    """Context-parallel ranks of a strategy with "cp" ("cp", "fsdp+cp"): each computes 1/cp_size of every sequence
+    (default: 2 beside a data-parallel axis, the whole world for "cp" alone). See parallel/context.py."""
+    ep_size: int | None = None
+    """Expert-parallel ranks of a strategy with "ep" ("ep", "fsdp+ep"), carved from the data-parallel ones: each
+    holds 1/ep_size of every MoE layer's experts (default: all the data-parallel ranks it is carved from)."""
     tp_plan: dict[str, str] | None = None
     """Module name patterns -> "colwise"/"rowwise" for tensor parallelism (default: the model's own plan, e.g.
     a Hugging Face config's base_model_tp_plan, else its attention and MLP blocks found by structure)."""
@@ -157,7 +171,7 @@ def validate(cfg: Config) -> Config:
     if cfg.comm_hook is not None:
         check_choice("comm_hook", cfg.comm_hook, CommHook)
     for name in ("grad_accum", "keep_last", "devices_per_worker", "stages_per_worker", "pp_size", "tp_size",
-                 "dp_replicate"):
+                 "dp_replicate", "cp_size", "ep_size", "straggler_window"):
         _positive(name, getattr(cfg, name))
     if cfg.timeout_s is not None and cfg.timeout_s <= 0:
         raise ParatrainError(f"timeout_s must be positive, got {cfg.timeout_s}")
@@ -167,6 +181,11 @@ def validate(cfg: Config) -> Config:
         raise ParatrainError(f"log_dir must be a directory path (a non-empty string) or None, got {cfg.log_dir!r}")
     if not isinstance(cfg.profile, bool):
         raise ParatrainError(f"profile must be True or False, got {cfg.profile!r}")
+    threshold = cfg.straggler_threshold
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not threshold > 0):
+        raise ParatrainError(f"straggler_threshold must be a positive fraction (0.2: a rank 20% slower than its "
+                             f"peers is named) or None to turn the check off, got {threshold!r}")
     if cfg.progress is not None and not isinstance(cfg.progress, bool):
         raise ParatrainError(f"progress must be True, False or None (on a terminal only), got {cfg.progress!r}")
     if cfg.microbatches not in ("auto", None) and (not isinstance(cfg.microbatches, int) or cfg.microbatches < 1):

@@ -6,7 +6,8 @@ makes it right under FSDP; but a pipeline rank holds only its stages, so each st
 its own norm and the run would train to other weights than one process, with no error. Here the norm is
 taken over everything the model's gradient is made of, each element counted once:
 
-    plain tensors   replicated layouts hold them all already
+    plain tensors   replicated layouts hold them all already; those a group's ranks hold between them (the
+                    experts of a listed MoE block under `ep`) are summed over that group
     DTensors        FSDP shards and tensor-parallel pieces: their own mesh reduces them, per mesh
     pipelines       each rank's sum of both (p-th powers) is summed over the pipeline's ranks; a parameter
                     tied across stages, such as an embedding shared with the LM head, is counted on its
@@ -18,7 +19,7 @@ and every rank scales its gradients by the same factor, min(1, max_norm / (norm 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,10 @@ from .errors import ParatrainError
 
 if TYPE_CHECKING:
     from .parallel.pipeline.pipelining import PipelineModule
+
+SPREAD = "_paratrain_spread_over"
+"""A plain parameter carrying this attribute (a process group) is one of a set the group's ranks hold between
+them, each its own (a listed expert under expert parallelism): its part of the norm is summed over the group."""
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -53,10 +58,14 @@ def total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     counted_elsewhere = pipeline.tied.counted_elsewhere if pipeline is not None else set()
     plain: list[torch.Tensor] = []
     by_mesh: dict[object, list[torch.Tensor]] = {}
+    spread: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     for p in model.parameters():
         if p.grad is None or id(p) in counted_elsewhere:
             continue
-        if _is_dtensor(p.grad):
+        group = getattr(p, SPREAD, None)
+        if group is not None:
+            spread.setdefault(id(group), (group, []))[1].append(p.grad)
+        elif _is_dtensor(p.grad):
             by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)  # type: ignore[attr-defined]
         else:
             plain.append(p.grad)
@@ -65,6 +74,11 @@ def total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if plain or pipeline is not None:
         parts.append(_power_sum([torch.linalg.vector_norm(g.detach(), norm_type) for g in plain], norm_type)
                      if plain else torch.zeros((), dtype=torch.float64, device=device))
+    for group, grads in spread.values():  # each rank holds some of the group's tensors: summed over the group
+        power = _power_sum([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads], norm_type)
+        dist.all_reduce(power, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM,
+                        group=group)
+        parts.append(power)
     for grads in by_mesh.values():  # meshes in parameter order: the same on every rank of the mesh
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         whole = norm.full_tensor() if _is_dtensor(norm) else norm  # type: ignore[attr-defined]
@@ -91,7 +105,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     grads = [p.grad for p in params if p.grad is not None]
     meshes = {getattr(g, "device_mesh") for g in grads if _is_dtensor(g)}  # noqa: B009 - DTensor only
     plain = any(not _is_dtensor(g) for g in grads)
-    if _pipeline(model) is None and len(meshes) + plain <= 1:
+    spread = any(getattr(p, SPREAD, None) is not None for p in params)
+    if _pipeline(model) is None and len(meshes) + plain <= 1 and not spread:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     norm = total_norm(model, float(norm_type)).float()
     if error_if_nonfinite and not bool(torch.isfinite(norm)):

@@ -184,7 +184,9 @@ def main(ns: argparse.Namespace, planner: Planner | None = None) -> int:
         finalise()
         print("\n".join(report.row(r, cols) for r in new), flush=True)
 
+    start_load = schema.load_average()
     runner.run_jobs(jobs, settings, ns.timeout, say=lambda text: print(text, flush=True), on_records=show)
+    results["machine"]["load_average"] = {"start": start_load, "end": schema.load_average()}
     results["runs"] = finalise()
     if plan is not None:
         results["plan"] = planned.compare(plan, results["runs"])
@@ -206,20 +208,37 @@ def _write(results: dict[str, Any], out: Path) -> int:
     written = plots.write_all(results, out)
     print("\n" + report.table(results["runs"]))
     if lines:
-        print("\nparatrain / hand-written PyTorch (median step time, alternated A B A B):")
+        print("\nparatrain / hand-written PyTorch (median of the paired step ratios, the two sides timed in turns step "
+              "by step; a verdict only where the 95% interval excludes 1.0):")
         print("\n".join(f"  {c}" for c in lines))
     if best:
-        print("\nbest of each strategy:")
+        print("\nbest of each strategy (speedup over one worker timed in the same rounds, with its 95% interval):")
         print("\n".join(f"  {c}" for c in best))
     if "plan" in results:
         from .planned import table
 
         print("\n" + table(results["plan"]))
+    busy = _busy(results)
+    if busy:
+        print(f"\nnote: {busy}")
     print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}" + "".join(f", {p}" for p in written))
     failed = [r for r in results["runs"] if r.status == "failed"]
     if failed:
         print(f"{len(failed)} configuration(s) failed; see their reasons above", flush=True)
     return 1 if failed else 0
+
+
+def _busy(results: dict[str, Any]) -> str | None:
+    """A warning when other work shared the machine: the 1-minute load average above half the cores before the
+    jobs, or after them once this run's own workers are taken off."""
+    load, cores = results["machine"].get("load_average") or {}, results["machine"].get("cores") or 1
+    ours = max((r.workers for r in results["runs"]), default=1)
+    start, end = load.get("start"), load.get("end")
+    if start is None or end is None or max(start, end - ours) <= cores / 2:
+        return None
+    return (f"other work shared this machine (load average {start:.1f} before the jobs, {end:.1f} after, on {cores} "
+            f"cores). The intervals hold this run's noise, not the load's: speedups are lower than on a quiet "
+            f"machine, so compare runs made on a quiet one")
 
 
 def _version() -> str:

@@ -7,7 +7,8 @@ cannot run here (dp without GPUs, pp on one worker, a batch that does not split)
 `not-applicable` record with the strategy's own reason, before any process starts.
 
 A job holds a paratrain configuration and its hand-written reference (and, for pipelines, every
-micro-batch count), so one set of worker processes times them in turns, A B A B.
+micro-batch count) and, beside them, one worker on the whole batch (the baseline of their speedups), so one
+set of worker processes times them all in turns, step by step.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class Job:
     nproc: int
     specs: tuple[Spec, ...]
     title: str
+    baseline: bool = False
+    """Also time one worker on the whole batch in the same rounds (rank 0; the others wait): the denominator of
+    every speedup of this job's runs, paired step by step, so a slow minute of the machine cannot pass for one."""
 
 
 @dataclass
@@ -266,7 +270,7 @@ class _Builder:
             if strategy.comm_hooks and "none" not in self.s.comm_hooks:
                 variants = variants[1:] or [spec]
             specs = [*self.with_reference(variants[0]), *variants[1:]]
-            self.out.jobs.append(Job(nproc, tuple(specs), title))
+            self.out.jobs.append(Job(nproc, tuple(specs), title, baseline=name != "single"))
             return
         per_replica = self.s.batch // replicas
         counts = list(AUTO_MICROBATCHES) if self.microbatches is None else self.microbatches
@@ -278,7 +282,7 @@ class _Builder:
                                                 f"{per_replica}")
         specs = [twin for spec in self.pipelined(strategy, nproc, good) for twin in self.with_reference(spec)]
         if specs:
-            self.out.jobs.append(Job(nproc, tuple(specs), title))
+            self.out.jobs.append(Job(nproc, tuple(specs), title, baseline=True))
 
 
 def _devices(strategy: Strategy, ctx: Context) -> tuple[str, ...] | None:

@@ -1,13 +1,16 @@
 """The tutorials' figures, from results.json: time per strategy with error bars, the micro-batch
-(`split_size`) trade-off curve, speedup against workers when several worker counts were run, and for
-token workloads tokens/s per strategy with each bar's model FLOPs utilisation.
+(`split_size`) trade-off curve, speedup against workers when several worker counts were run, for
+token workloads tokens/s per strategy with each bar's model FLOPs utilisation, and the comparisons with their
+intervals: each paratrain / hand-written ratio and each speedup beside its bound.
 
-Error bars span the interquartile range of the timed steps, around the median (what the table quotes).
+Error bars on step times span the interquartile range of the timed steps, around the median (what the table
+quotes); error bars on ratios and speedups span their 95% intervals (`stats.py`).
 """
 
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +80,22 @@ def _bars(runs: list[RunRecord], heights: list[float], notes: list[str | None], 
     return fig, ax
 
 
+def _speedup_note(r: RunRecord) -> str | None:
+    if r.speedup_vs_single is None:
+        return None
+    return f"{r.speedup:.2f}x" + (f"\n{r.speedup_ci[0]:.2f}-{r.speedup_ci[1]:.2f}" if r.speedup_ci else "")
+
+
+def _ci_bars(values: list[float], intervals: Sequence[list[float] | None]) -> list[list[float]]:
+    """matplotlib's yerr from [low, high] intervals (no bar where there is none)."""
+    return [[v - ci[0] if ci else 0.0 for v, ci in zip(values, intervals)],
+            [ci[1] - v if ci else 0.0 for v, ci in zip(values, intervals)]]
+
+
 def bar_chart(results: dict[str, Any], path: Path) -> Path:
     runs = best_per_configuration(results["runs"])
     fig, ax = _bars(runs, [r.median for r in runs],
-                    [f"{r.speedup:.2f}x" if r.speedup_vs_single is not None else None for r in runs],
+                    [_speedup_note(r) for r in runs],
                     "time per training step (s), median", yerr=_iqr_bars(runs), ecolor="red", capsize=8)
     ax.set_title(f"{_title(results)}\nblue: paratrain, orange: hand-written PyTorch, gray: no-communication "
                  "ceiling", fontsize=9)
@@ -149,14 +164,49 @@ def scaling(results: dict[str, Any], path: Path) -> Path | None:
         group = sorted((r for r in runs if r.strategy == strategy), key=lambda r: r.workers)
         style = "--" if strategy.startswith("torch-") else ":" if strategy == CEILING else "-"
         color = CEILING_COLOR if strategy == CEILING else None
-        ax.plot([1] + [r.workers for r in group], [1.0] + [r.speedup for r in group],
-                "o" + style, label=strategy if strategy != CEILING else "no-comm (ceiling)", color=color)
+        ax.errorbar([1] + [r.workers for r in group], [1.0] + [r.speedup for r in group],
+                    yerr=_ci_bars([1.0] + [r.speedup for r in group], [None, *(r.speedup_ci for r in group)]),
+                    fmt="o" + style, capsize=4, label=strategy if strategy != CEILING else "no-comm (ceiling)",
+                    color=color)
     ax.set_xlabel("workers")
-    ax.set_ylabel("speedup over single (1 worker)")
+    ax.set_ylabel("speedup over one worker (95% CI)")
     ax.set_xticks(sorted(counts | {1}))
     ax.grid(True)
     ax.legend(fontsize=8)
     ax.set_title(f"scaling: {_title(results)}", fontsize=9)
+    return _save(fig, path)
+
+
+def intervals(results: dict[str, Any], path: Path) -> Path | None:
+    """Left: each paratrain / hand-written ratio with its 95% interval, against 1.0 (no difference). Right: each
+    paratrain run's speedup with its interval, its bound as a tick beside it."""
+    ratios = [r for r in _ok(results["runs"]) if r.vs_reference is not None]
+    speedups = [r for r in _ok(results["runs"]) if r.speedup_vs_single is not None and r.strategy != "single"
+                and not r.strategy.startswith("torch-")]
+    if not ratios and not speedups:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 0.45 * max(len(ratios), len(speedups), 4) + 1.6))
+    left, right = axes
+    for ax, runs, title in ((left, ratios, "paratrain / hand-written (median of paired steps)"),
+                            (right, speedups, "speedup over one worker; | its bound")):
+        ax.set_yticks(range(len(runs)))
+        ax.set_yticklabels([_label(r).replace("\n", ", ") for r in runs], fontsize=7)
+        ax.invert_yaxis()
+        ax.xaxis.grid(True)
+        ax.set_title(title, fontsize=9)
+    if ratios:
+        values = [r.vs_reference or 0.0 for r in ratios]
+        left.errorbar(values, range(len(ratios)), xerr=_ci_bars(values, [r.ratio_ci for r in ratios]), fmt="o",
+                      capsize=4, color=PARATRAIN_COLOR)
+        left.axvline(1.0, color="gray", linestyle=":")
+        left.set_xlabel("ratio of step times, 95% CI (right of 1: paratrain slower)")
+    if speedups:
+        values = [r.speedup for r in speedups]
+        right.errorbar(values, range(len(speedups)), xerr=_ci_bars(values, [r.speedup_ci for r in speedups]),
+                       fmt="o", capsize=4, color=PARATRAIN_COLOR)
+        right.scatter([r.bound for r in speedups], range(len(speedups)), marker="|", s=200, color="black")
+        right.set_xlabel("speedup, 95% CI")
+    fig.suptitle(_title(results), fontsize=9)
     return _save(fig, path)
 
 
@@ -172,5 +222,6 @@ def write_all(results: dict[str, Any], out: Path) -> list[Path]:
     if not _ok(results["runs"]):
         return []
     made = [bar_chart(results, out / "strategy_times.png"), microbatch_curve(results, out / "microbatch_tradeoff.png"),
-            scaling(results, out / "scaling.png"), throughput(results, out / "throughput.png")]
+            scaling(results, out / "scaling.png"), throughput(results, out / "throughput.png"),
+            intervals(results, out / "intervals.png")]
     return [p for p in made if p is not None]

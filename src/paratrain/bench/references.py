@@ -15,6 +15,8 @@
   gradients after the schedule.
 - `no-comm`: not a strategy but the machine's ceiling: the torch-ddp loop without DDP, so each worker
   computes its share and nothing is exchanged.
+- `one_worker`: not a reference but the yardstick of speedups: the plain loop on the whole batch on rank 0
+  while the other ranks wait, timed in every job beside its runs.
 
 A tied weight cut apart (GPT's token embedding, which is also its output projection, on the first and
 the last stage) is handled as a careful hand-written script does (Megatron-LM's embedding group): each
@@ -170,6 +172,17 @@ def no_comm(spec: Spec, workload: Workload, data: Batch, settings: Settings, dev
     share = settings.batch // world
     inputs = _inputs(data[0][rank * share:(rank + 1) * share], device, settings)
     labels = data[1][rank * share:(rank + 1) * share].to(device)
+    optimizer = optim.SGD(model.parameters(), lr=workload.lr)
+    return _loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device, settings.precision)
+
+
+def one_worker(workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
+    """`single`'s step, written plainly, as the baseline of a job's speedups: the whole model and the whole batch
+    on rank 0, the plain loop. The other ranks' step does nothing, so rank 0 computes alone, as one worker."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return lambda: None
+    model = _model(workload, settings).to(device)
+    inputs, labels = _share(data, 0, 1, device, settings)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
     return _loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device, settings.precision)
 

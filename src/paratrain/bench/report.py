@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..measure import stats
 from .jobs import CEILING, REFERENCE
 from .schema import RunRecord
 
@@ -18,11 +19,11 @@ COLUMNS: list[Column] = [
     ("median s", 9, lambda r: _num(r.median_step_s, ".4f")),
     ("IQR s", 7, lambda r: _num(r.spread_s, ".4f")),
     ("samples/s", 9, lambda r: _num(r.samples_per_s, ".1f")),
-    ("speedup", 7, lambda r: _num(r.speedup_vs_single, ".2f", "x")),
+    ("speedup (95% CI)", 16, lambda r: _with_ci(r.interval("speedup"), ".2f", "x")),
     ("effic.", 6, lambda r: _num(None if r.scaling_efficiency is None else 100 * r.scaling_efficiency,
                                  ".0f", "%")),
     ("bound", 6, lambda r: _num(r.bound, ".2f", "x") if r.status == "ok" else "-"),
-    ("vs torch", 8, lambda r: _num(r.vs_reference, ".3f")),
+    ("vs torch (95% CI)", 17, lambda r: _with_ci(r.interval("ratio"), ".3f")),
     ("peak MB", 8, lambda r: _num(r.peak_memory_mb, ".0f")),
     ("status", 14, lambda r: r.status),
 ]
@@ -49,6 +50,22 @@ def _opt(value: Any) -> str:
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{fmt}}{unit}"
+
+
+def _with_ci(ratio: stats.Ratio | None, fmt: str, unit: str = "") -> str:
+    """`1.64x 1.55-1.73`: the value and its interval, or the value alone where there is none."""
+    if ratio is None:
+        return "-"
+    if ratio.low is None or ratio.high is None:
+        return f"{ratio.value:{fmt}}{unit}"
+    return f"{ratio.value:{fmt}}{unit} {ratio.low:{fmt}}-{ratio.high:{fmt}}"
+
+
+def _times(ratio: stats.Ratio) -> str:
+    """`1.64x (95% CI 1.55-1.73)`."""
+    if ratio.low is None or ratio.high is None:
+        return f"{ratio.value:.2f}x"
+    return f"{ratio.value:.2f}x ({stats.LEVEL:.0%} CI {ratio.low:.2f}-{ratio.high:.2f})"
 
 
 def columns(tokens: bool = False, mfu: bool = False, loss: bool = False) -> list[Column]:
@@ -85,43 +102,56 @@ def table(runs: list[RunRecord]) -> str:
     return "\n".join([header(cols), "-" * len(header(cols)), *(row(r, cols) for r in runs)])
 
 
+def _label(r: RunRecord) -> str:
+    m = f", {r.microbatches} micro-batches" if r.microbatches is not None else ""
+    return f"{name(r)} on {r.workers} worker(s){m}"
+
+
 def comparisons(runs: list[RunRecord]) -> list[str]:
-    """One line per paratrain run that has a hand-written twin: the ratio of median step times."""
+    """One line per paratrain run that has a hand-written twin: the median of their paired step ratios, its 95%
+    interval, and a verdict only where the interval excludes 1.0."""
     out = []
     for r in runs:
-        if r.vs_reference is not None:
-            m = f", {r.microbatches} micro-batches" if r.microbatches is not None else ""
-            verdict = "no measurable overhead" if r.vs_reference <= 1.02 else "slower than hand-written"
-            if r.vs_reference < 0.98:
-                verdict = "faster than hand-written"
-            out.append(f"{r.strategy} on {r.workers} worker(s){m}: {r.vs_reference:.3f} x "
-                       f"{r.reference} ({verdict})")
+        ratio = r.interval("ratio")
+        if ratio is not None:
+            out.append(f"{_label(r)} / {r.reference}: {stats.verdict(ratio)}")
     return out
+
+
+def speedup_text(r: RunRecord) -> str:
+    """`1.64x single (95% CI 1.55-1.73), 82% of its bound 2.00x`, or at its bound within noise."""
+    speedup = r.interval("speedup")
+    if speedup is None:
+        return "no speedup (single did not run)"
+    ci = "" if speedup.low is None or speedup.high is None else \
+        f" ({stats.LEVEL:.0%} CI {speedup.low:.2f}-{speedup.high:.2f})"
+    return f"{speedup.value:.2f}x single{ci}, {stats.against_bound(speedup, r.bound)}"
 
 
 def summary(runs: list[RunRecord]) -> list[str]:
     """The fastest configuration of each paratrain strategy and worker count, against its bound, the
-    no-communication ceiling and its hand-written twin."""
+    no-communication ceiling and its hand-written twin, each with its interval."""
     best: dict[tuple[str, int, str | None, tuple[tuple[str, Any], ...]], RunRecord] = {}
     for r in runs:
         if r.status == "ok" and r.speedup_vs_single is not None and r.strategy not in _NOT_PARATRAIN:
             key = (r.strategy, r.workers, r.schedule, tuple(r.options.items()))
             if key not in best or r.median < best[key].median:
                 best[key] = r
-    ceilings = {r.workers: r.speedup_vs_single for r in runs
-                if r.strategy == "no-comm" and r.speedup_vs_single is not None}
+    ceilings = {r.workers: r for r in runs if r.strategy == CEILING and r.speedup_vs_single is not None}
     out = []
     for (strategy, workers, _, _), r in best.items():
         if strategy == "single":
             continue
         m = f", M={r.microbatches}" if r.microbatches is not None else ""
         m += f", {r.schedule}" if r.schedule is not None else ""
-        line = (f"{strategy} on {workers} worker(s){m}: {r.speedup_vs_single:.2f}x single, "
-                f"{r.speedup / r.bound:.0%} of its bound {r.bound:.2f}x")
+        line = f"{strategy} on {workers} worker(s){m}: {speedup_text(r)}"
         if workers in ceilings:
-            line += f"; no-communication ceiling here {ceilings[workers]:.2f}x"
-        if r.vs_reference is not None:
-            line += f"; {r.vs_reference:.3f} x {r.reference}"
+            ceiling = ceilings[workers].interval("speedup")
+            assert ceiling is not None
+            line += f"; no-communication ceiling here {_times(ceiling)}"
+        ratio = r.interval("ratio")
+        if ratio is not None:
+            line += f"; vs {r.reference}: {stats.verdict(ratio)}"
         if r.options:
             line += f"; with {', '.join(f'{k}={v}' for k, v in r.options.items())}"
         if r.tokens_per_s is not None:

@@ -33,8 +33,10 @@ def run_jobs(jobs: JobList, settings: Settings, job_timeout: float, say: Callabl
     bar = Bar(progress, total=sum(len(job.specs) for job in jobs.jobs), unit="config", desc="bench")
     with bar.above():  # what is printed meanwhile (rows, the workers' lines) goes above the bar
         for i, job in enumerate(jobs.jobs, 1):
-            say(f"[{i}/{len(jobs.jobs)}] {job.title}: {len(job.specs)} configuration(s), "
-                f"{settings.warmup} warm-up + {settings.repeat} x {settings.steps} timed steps each")
+            beside = " and one worker (the speedups' baseline)" if job.baseline else ""
+            say(f"[{i}/{len(jobs.jobs)}] {job.title}: {len(job.specs)} configuration(s){beside}, "
+                f"{settings.warmup} warm-up + {settings.repeat * settings.steps} timed steps each, in turns step by "
+                "step")
             start = time.monotonic()
             try:
                 out = launch(run_job, job, settings, nproc=job.nproc, timeout=job_timeout, prefix_output=False)
@@ -53,6 +55,7 @@ def run_jobs(jobs: JobList, settings: Settings, job_timeout: float, say: Callabl
 def _from_worker(item: dict[str, Any]) -> RunRecord:
     spec: Spec = item["spec"]
     status = "failed" if item["reason"] else "ok"
-    done = schema.record(spec, status, item["reason"], spec.bound, item["step_times_s"], item["peak_memory_mb"])
+    done = schema.record(spec, status, item["reason"], spec.bound, item["step_times_s"], item["peak_memory_mb"],
+                         single_times=item.get("single_step_times_s"))
     done.final_loss = item.get("final_loss")
     return done

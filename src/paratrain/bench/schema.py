@@ -1,16 +1,17 @@
 """`results.json`: the contract other tools (and docs/benchmarks.md) read.
 
-    {"schema": "paratrain-bench/3", "created": ISO time, "command": "...",
+    {"schema": "paratrain-bench/4", "created": ISO time, "command": "...",
      "paratrain": {"version", "commit"},
      "machine": {"cpu", "cores", "cores_total", "gpus", "torch", "python", "platform",
-                 "peak": {"flops_per_s", "dtype", "source", "per_worker"}},
+                 "peak": {"flops_per_s", "dtype", "source", "per_worker"}, "load_average": {"start", "end"}},
      "workload": {"name", "description", "parameters", "lr", "tokens_per_sample", "flops_per_step",
                   "flops_method"},
      "global_batch": B,
      "settings": {"steps", "warmup", "repeat", "schedule", "precision", "channels_last", "gpt_size"},
      "runs": [{"strategy", "workers", "microbatches", "schedule", "step_times_s", "median_step_s", "spread_s",
-               "samples_per_s", "tokens_per_s", "mfu", "speedup_vs_single", "scaling_efficiency", "bound",
-               "peak_memory_mb", "reference", "vs_reference", "status", "reason", "options", "final_loss"}, ...],
+               "samples_per_s", "tokens_per_s", "mfu", "speedup_vs_single", "speedup_ci", "scaling_efficiency",
+               "bound", "peak_memory_mb", "reference", "vs_reference", "ratio_ci", "status", "reason", "options",
+               "final_loss", "single_step_times_s"}, ...],
      "plan": {...}}   # only from `bench --plan`: bench/planned.py's `compare` (predicted beside measured)
 
 `no-comm` (beside ddp) is the ceiling of data parallelism here: every worker computing its share with
@@ -19,7 +20,11 @@ unless the run is `ok`; `reason` is null exactly when it is `ok`. `tokens_per_s`
 trains on tokens; `mfu` (model FLOPs utilisation, see `mfu.py`) is null when the step's FLOPs or the
 devices' peak are unknown. Version 2 added `tokens_per_s`, `mfu`, `machine.peak`, the workload's
 `tokens_per_sample`, `flops_per_step` and `flops_method`, and `settings.gpt_size`; version 3 added each run's
-`options` and `final_loss`. Every older field is kept, and `from_json` reads versions 1 and 2 too.
+`options` and `final_loss`; version 4 the intervals `speedup_ci` and `ratio_ci` ([low, high], 95%, `stats.py`),
+`single_step_times_s` and the machine's `load_average` before and after the jobs, and made `speedup_vs_single`
+and `vs_reference` medians of paired step ratios (each step beside the one-worker baseline's, or the reference's,
+of its round) where they were ratios of medians.
+Every older field is kept, and `from_json` reads versions 1 to 3 too.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ from typing import Any
 
 import torch
 
+from ..measure import stats
 from ..parallel.dims import is_grammar
 from .jobs import BENCH_STRATEGIES, CEILING, N_D_STRATEGIES, REFERENCE, Spec
 
-SCHEMA = "paratrain-bench/3"
-OLDER = ("paratrain-bench/1", "paratrain-bench/2")
+SCHEMA = "paratrain-bench/4"
+OLDER = ("paratrain-bench/1", "paratrain-bench/2", "paratrain-bench/3")
 """Versions `from_json` still reads (their missing fields are null)."""
 STATUSES = ("ok", "not-applicable", "failed")
 STRATEGIES = (*BENCH_STRATEGIES, *N_D_STRATEGIES, *REFERENCE.values(), CEILING)
@@ -84,6 +90,10 @@ class RunRecord:
     mfu: float | None = None
     """Model FLOPs utilisation: FLOPs per step / median step time / (peak FLOP/s per device x workers)."""
     speedup_vs_single: float | None = None
+    """Over one worker on the whole batch: the median of the paired ratios of the one-worker baseline's steps
+    (`single_step_times_s`) to this run's; without them (older files), single's median over this run's."""
+    speedup_ci: list[float] | None = None
+    """95% interval of the speedup, [low, high] (null without one: single itself, too few steps)."""
     scaling_efficiency: float | None = None
     bound: float
     """The best speedup over single this layout allows (the strategy's own bound)."""
@@ -91,6 +101,9 @@ class RunRecord:
     reference: str | None = None
     """The hand-written PyTorch twin this run is compared with."""
     vs_reference: float | None = None
+    """This run's steps over its reference's: the median of the paired ratios (the two timed in one round)."""
+    ratio_ci: list[float] | None = None
+    """95% interval of vs_reference, [low, high]."""
     status: str
     reason: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
@@ -98,6 +111,9 @@ class RunRecord:
     final_loss: float | None = None
     """paratrain's global-batch loss after the run's last step (every side trains the same steps from the same
     weights: a lossy option's effect is its difference from the exact run's); null for references."""
+    single_step_times_s: list[float] = field(default_factory=list)
+    """The one-worker baseline's steps, timed in the same rounds as step_times_s (its i-th beside their i-th):
+    the denominator of this run's speedup. Empty for single itself."""
 
     @property
     def median(self) -> float:
@@ -111,6 +127,15 @@ class RunRecord:
         if self.speedup_vs_single is None:
             raise ValueError(f"{self.strategy} on {self.workers} worker(s) has no speedup (no single run)")
         return self.speedup_vs_single
+
+    def interval(self, which: str) -> stats.Ratio | None:
+        """`speedup` or `ratio` (vs_reference) as a Ratio with its interval, None where it was not measured."""
+        value, ci = (self.speedup_vs_single, self.speedup_ci) if which == "speedup" else \
+            (self.vs_reference, self.ratio_ci)
+        if value is None:
+            return None
+        low, high = ci if ci else (None, None)
+        return stats.Ratio(value, low, high, paired=True, samples=len(self.step_times_s))
 
     @property
     def micro(self) -> int:
@@ -133,11 +158,12 @@ PEAK_KEYS = ("flops_per_s", "dtype", "source", "per_worker")
 
 
 def record(spec: Spec, status: str, reason: str | None, bound: float, step_times: list[float] | None = None,
-           peak_mb: float | None = None) -> RunRecord:
+           peak_mb: float | None = None, single_times: list[float] | None = None) -> RunRecord:
     """A run before the derived numbers (medians, speedups) are filled in by `finalise`."""
     return RunRecord(strategy=spec.strategy, workers=spec.workers, microbatches=spec.microbatches,
                      schedule=spec.schedule, options=dict(spec.options),
                      step_times_s=[round(t, 6) for t in step_times or []],
+                     single_step_times_s=[round(t, 6) for t in single_times or []],
                      bound=round(bound, 4), peak_memory_mb=peak_mb, reference=REFERENCE.get(spec.strategy),
                      status=status, reason=reason)
 
@@ -153,7 +179,8 @@ def quantile(values: list[float], q: float) -> float:
 def finalise(runs: list[RunRecord], global_batch: int, *, tokens_per_sample: int | None = None,
              flops_per_step: int | None = None, peak_flops_per_s: float | None = None) -> list[RunRecord]:
     """Fill in medians, spread (interquartile range), samples/s, tokens/s, MFU, speedups and the ratio to
-    the reference. MFU counts every worker of a run as one device at `peak_flops_per_s`."""
+    the reference, each ratio with its interval. MFU counts every worker of a run as one device at
+    `peak_flops_per_s`."""
     for run in runs:
         if run.status == "ok":
             run.median_step_s = round(statistics.median(run.step_times_s), 6)
@@ -168,15 +195,32 @@ def finalise(runs: list[RunRecord], global_batch: int, *, tokens_per_sample: int
     for run in runs:
         if run.status != "ok" or run.median_step_s is None:
             continue
-        if single is not None and single.median_step_s is not None:
-            speedup = single.median_step_s / run.median_step_s
-            run.speedup_vs_single = round(speedup, 4)
-            run.scaling_efficiency = round(speedup / run.workers, 4)
+        speedup = _speedup(run, single)
+        if speedup is not None:
+            run.speedup_vs_single, run.speedup_ci = round(speedup.value, 4), speedup.interval
+            run.scaling_efficiency = round(speedup.value / run.workers, 4)
         ref = next((r for r in runs if r.strategy == run.reference and r.status == "ok" and r.workers == run.workers
                     and r.microbatches == run.microbatches and r.schedule == run.schedule), None)
-        if ref is not None and ref.median_step_s is not None:
-            run.vs_reference = round(run.median_step_s / ref.median_step_s, 4)
+        if ref is not None:
+            ratio = _compare(run.step_times_s, ref.step_times_s)
+            run.vs_reference, run.ratio_ci = round(ratio.value, 4), ratio.interval
     return runs
+
+
+def _compare(a: list[float], b: list[float]) -> stats.Ratio:
+    """a over b: paired step by step where they were timed in the same rounds (as many steps), else by medians."""
+    return stats.paired_ratio(a, b) if len(a) == len(b) else stats.ratio_of_medians(a, b, paired=False)
+
+
+def _speedup(run: RunRecord, single: RunRecord | None) -> stats.Ratio | None:
+    """Over the one-worker baseline timed beside the run; failing that, over single's own run (timed apart)."""
+    if run is single:
+        return stats.Ratio(1.0, None, None, paired=True, samples=len(run.step_times_s))
+    if run.single_step_times_s:
+        return _compare(run.single_step_times_s, run.step_times_s)
+    if single is not None:
+        return stats.ratio_of_medians(single.step_times_s, run.step_times_s, paired=False)
+    return None
 
 
 def machine() -> dict[str, Any]:
@@ -193,6 +237,14 @@ def machine() -> dict[str, Any]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": cpu, "cores": usable, "cores_total": os.cpu_count(), "gpus": gpus, "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none): how much other work shared it."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def commit() -> str | None:
@@ -276,6 +328,8 @@ def _run_problems(run: dict[str, Any], tokens: bool, mfu: bool) -> list[str]:
         for key in wanted:
             if not isinstance(run[key], (int, float)) or run[key] <= 0:
                 out.append(f"{key} must be a positive number for an ok run")
+        for key, ci in (("speedup_vs_single", "speedup_ci"), ("vs_reference", "ratio_ci")):
+            out += _interval_problems(run, key, ci)
     elif not run["reason"]:
         out.append(f"a {run['status']} run needs a reason")
     if not tokens and run["tokens_per_s"] is not None:
@@ -283,3 +337,16 @@ def _run_problems(run: dict[str, Any], tokens: bool, mfu: bool) -> list[str]:
     if not mfu and run["mfu"] is not None:
         out.append("mfu must be null when the step's FLOPs or the devices' peak are unknown")
     return out
+
+
+def _interval_problems(run: dict[str, Any], key: str, ci: str) -> list[str]:
+    """An interval is [low, high] with 0 < low <= high, and only beside the ratio it bounds."""
+    interval = run[ci]
+    if interval is None:
+        return []
+    if run[key] is None:
+        return [f"{ci} without {key}"]
+    if (not isinstance(interval, list) or len(interval) != 2 or not all(isinstance(x, (int, float)) for x in interval)
+            or not 0 < interval[0] <= interval[1]):
+        return [f"{ci} must be [low, high] with 0 < low <= high, got {interval!r}"]
+    return []

@@ -1,6 +1,9 @@
 """What runs in every worker process of one job: build each configuration, warm it up, then time them
-in turns (A B A B ...), so a slow spell of the machine hits paratrain and its reference alike. The order
-rotates every round (A B C, B C A, C A B), so no configuration always runs first or right after another.
+in rounds of one step each, so a slow spell of the machine hits paratrain and its reference alike and the
+i-th steps of any two sides, taken in the same round seconds apart, make a pair (`stats.paired_ratio`). The order turns
+every round (A B, B A, B A, A B: rotated every other round, reversed every other one), so no configuration
+always runs first or right after another. One worker on the whole batch (`references.one_worker`) runs in the
+same rounds: the baseline every speedup of the job is paired with.
 
 A step ends when the slowest worker ends it, so each step's time is the maximum over ranks. A
 configuration that raises is dropped after all ranks agree on it (with its reason); the others go on.
@@ -9,6 +12,7 @@ configuration that raises is dropped after all ranks agree on it (with its reaso
 from __future__ import annotations
 
 import functools
+import statistics
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +31,9 @@ from ..measure.workloads import Batch, Workload
 from . import references
 from .jobs import Job, Settings, Spec
 
+BASELINE = Spec("single", 1)
+"""The one worker every job times beside its runs (`references.one_worker`)."""
+
 
 @dataclass
 class _Side:
@@ -37,10 +44,20 @@ class _Side:
     peak_mb: float = 0.0
     loss: Any = None
     """What the latest step returned: the global-batch loss on paratrain's side (None for references)."""
+    alone: bool = False
+    """Only rank 0 computes (the one-worker baseline): its error is held until every rank has left the block's
+    collectives, then raised, so the other ranks are not left waiting in them."""
+    error: Exception | None = None
 
     def timed_step(self) -> None:
         assert self.step is not None
-        self.loss = self.step()
+        if not self.alone:
+            self.loss = self.step()
+            return
+        try:
+            self.loss = self.step() if self.error is None else None
+        except Exception as exc:
+            self.error = exc
 
     def final_loss(self) -> float | None:
         """The loss of the last step: every side trains the same steps from the same weights, so a lossy
@@ -125,6 +142,8 @@ def _block(side: _Side, count: int, device: torch.device) -> list[float]:
     assert side.step is not None
     devices = [torch.device(d) for d in side.spec.devices] if side.spec.devices else [device]
     times, peak_mb = time_steps(side.timed_step, count, devices, device)
+    if side.error is not None:
+        raise side.error
     side.peak_mb = max(side.peak_mb, peak_mb)
     return times
 
@@ -144,9 +163,17 @@ def _guarded(side: _Side, action: Callable[[], Any]) -> Any:
     except Exception as exc:
         side.reason, side.step, result = _reason(exc), None, None
         rank = dist.get_rank() if dist.is_initialized() else 0
-        print(f"      {side.spec.label} failed on rank {rank}:\n{traceback.format_exc()}", flush=True)
+        print(f"      {_label(side)} failed on rank {rank}:\n{traceback.format_exc()}", flush=True)
     _agree(side)
     return result
+
+
+def turn(sides: list[_Side], k: int) -> list[_Side]:
+    """Round k's order: rotated by one every other round, reversed every other round (for two sides A B, B A,
+    B A, A B), so each side leads, and follows each other side, equally often."""
+    shift = (k // 2) % len(sides)
+    order = sides[shift:] + sides[:shift]
+    return order[::-1] if k % 2 else order
 
 
 def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
@@ -161,17 +188,28 @@ def run_job(job: Job, settings: Settings) -> list[dict[str, Any]]:
     sides = [_Side(spec) for spec in job.specs]
     for side in sides:
         side.step = _guarded(side, functools.partial(_build, side.spec, workload, data, settings, device))
-    for side in sides:
+    baseline = _Side(BASELINE, alone=True) if job.baseline else None
+    if baseline is not None:
+        baseline.step = _guarded(baseline, functools.partial(references.one_worker, workload, data, settings, device))
+    timed = sides + ([baseline] if baseline is not None else [])
+    for side in timed:
         if side.step is not None and settings.warmup:
             _guarded(side, functools.partial(_block, side, settings.warmup, device))
-    for r in range(settings.repeat):
-        for side in sides[r % len(sides):] + sides[:r % len(sides)]:  # each side leads in turn: no seat is favoured
-            if side.step is None:
-                continue
-            times = _guarded(side, functools.partial(_block, side, settings.steps, device))
-            if times:
-                side.times += times
-                median = sorted(times)[len(times) // 2]
-                say(f"      repeat {r + 1}/{settings.repeat}  {side.spec.label:<22} {median:8.4f} s/step")
+    for k in range(settings.repeat * settings.steps):
+        for side in turn(timed, k):
+            if side.step is not None:
+                side.times += _guarded(side, functools.partial(_block, side, 1, device)) or []
+        if (k + 1) % settings.steps == 0:  # a repeat's worth of rounds: each side's median over them
+            for side in timed:
+                if side.step is not None:
+                    median = statistics.median(side.times[-settings.steps:])
+                    say(f"      repeat {(k + 1) // settings.steps}/{settings.repeat}  {_label(side):<22} "
+                        f"{median:8.4f} s/step")
+    paired = baseline.times if baseline is not None and baseline.reason is None else []
     return [{"spec": side.spec, "step_times_s": side.times, "peak_memory_mb": round(side.peak_mb, 1),
-             "reason": side.reason, "final_loss": side.final_loss()} for side in sides]
+             "reason": side.reason, "final_loss": side.final_loss(), "single_step_times_s": paired}
+            for side in sides]
+
+
+def _label(side: _Side) -> str:
+    return "one worker (baseline)" if side.spec is BASELINE else side.spec.label

@@ -123,7 +123,7 @@ def save(checkpoint: Path, state_dicts: dict[str, Any]) -> None:
     """Collective: every rank writes its shards (from `gather`) into `checkpoint/model/`."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(strided.made_whole(state_dicts), checkpoint_id=str(checkpoint / _DIR))
+    dcp.save(strided.for_save(state_dicts), checkpoint_id=str(checkpoint / _DIR))
 
 
 def _check_fits(checkpoint: Path, target: dict[str, Any]) -> None:
@@ -164,7 +164,7 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
     saved_state = _with_state(checkpoint, optimizers)
     target = _state_dicts(modules, optimizers, saved_state)
     _check_fits(checkpoint, target)
-    whole = strided.WholeForLoad(target)
+    aside = strided.ForLoad(target)
     try:
         dcp.load(target, checkpoint_id=str(checkpoint / _DIR))
     except (Exception, CheckpointException) as exc:
@@ -173,7 +173,7 @@ def load(checkpoint: Path, state: dict[str, Any], unwrap: Unwrap) -> None:
         raise CheckpointError(
             f"sharded checkpoint {str(checkpoint)!r} does not fit this model: {str(exc).strip()[:800]}"
         ) from exc
-    whole.restore()
+    aside.restore()
     for key, module in modules.items():
         set_model_state_dict(module, target[f"model.{key}"])
     for key, (module, optimizer) in optimizers.items():

@@ -12,10 +12,18 @@ the epoch and how many samples of it were consumed to resume exactly, even on a 
 One file per step: `order` reads what the DataLoader asks for (shuffle, a sampler, a batch sampler) and
 draws an epoch's order from it; `plan` cuts the order into this replica's shares and weighs a short
 batch's shares by their rows; `loader` iterates them with the DataLoader's own loading options.
+
+Streams take the same path once made indexable: `sources` says what a stream is made of (named shards,
+each readable from its start), `formats` reads shard files (jsonl, parquet, arrow, WebDataset tar), `hf`
+adapts a Hugging Face streaming dataset, `stream` is the user's entry point for files, `indexed` numbers
+the shards' rows and draws the order over them, `packing` packs documents into fixed-length sequences.
 """
 
 from .loader import EpochSampler, ShardedLoader, claim_weight
 from .order import epoch_order
+from .packing import document_mask, pack
 from .plan import Weight, split_evenly
+from .stream import Stream, arrow, jsonl, parquet, webdataset
 
-__all__ = ["EpochSampler", "ShardedLoader", "Weight", "claim_weight", "epoch_order", "split_evenly"]
+__all__ = ["EpochSampler", "ShardedLoader", "Stream", "Weight", "arrow", "claim_weight", "document_mask",
+           "epoch_order", "jsonl", "pack", "parquet", "split_evenly", "webdataset"]

@@ -3,7 +3,8 @@
 The batches are read by one inner DataLoader that keeps every loading option of the user's (workers,
 collate_fn, pinned memory, persistent workers, prefetching, timeout, worker_init_fn, in_order); only
 which indices form a batch is paratrain's. The loader's position (epoch, samples consumed) is global,
-so a checkpoint resumes on any world size.
+so a checkpoint resumes on any world size. A stream (a sharded IterableDataset) is first made indexable
+(data/indexed.py) and then takes the same path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..errors import ParatrainError
 from ..parallel import randomness, step_state
+from . import indexed
 from .order import Epoch, read_order
 from .plan import ONE, Batch, Layout, Weight, batch_ends, check_epoch, evaluation_batches, replica_batches
 
@@ -30,6 +32,11 @@ class ShardedLoader:
 
     def __init__(self, loader: DataLoader, replica: int, replicas: int, seed: int, evaluation: bool = False, *,
                  grad_accum: int = 1, equal_shares: bool = False, device: torch.device | None = None) -> None:
+        streamed = indexed.prepare(loader, seed, device)  # a stream, made indexable; None for map-style data
+        self.view: indexed.StreamView | None = None
+        """The stream's StreamView, whose shard list a checkpoint records."""
+        if streamed is not None:
+            loader, self.view = streamed
         self.loader = loader
         self.order = read_order(loader, seed, replicas)
         self.layout = Layout(replica, replicas, 1 if evaluation else grad_accum, equal_shares)
@@ -54,6 +61,8 @@ class ShardedLoader:
         self._batches = _Batches()
         self._followed = self._sampler_epoch()
         self._stamp, self._weight, self._unclaimed, self._ahead = 0, ONE, 0, False
+        if self.view is not None and device is not None:
+            indexed.check_same_shards(self.view, device)
         first = self._draw()
         if self.order.drawn and device is not None:  # first: a refusal below must not leave other ranks waiting
             _check_same_on_every_rank(first, self.order.name, device)
@@ -201,12 +210,17 @@ class ShardedLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position: epoch and samples of it consumed, as global counts (valid for any world size)."""
         n = len(self.loader.dataset)  # type: ignore[arg-type]
-        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "size": n,
-                "shuffle": int(self.shuffle), "order": self.order.name}
+        state = {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "size": n,
+                 "shuffle": int(self.shuffle), "order": self.order.name}
+        if self.view is not None:
+            state["shards"] = indexed.fingerprint(self.view)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position. The world size and per-worker batch may differ from the saving
         run: the not yet consumed samples of the epoch are re-divided among this run's replicas."""
+        if self.view is not None:
+            indexed.check_resume(self.view, state.get("shards"))
         if state.get("seed", self.seed) != self.seed:
             raise ParatrainError(
                 f"checkpoint's data order was made with seed {state['seed']} but this run uses seed "

@@ -9,6 +9,8 @@ function of (seed, epoch) only, whatever asked for it:
                                           before it pads and strides it over ranks
     any other sampler or batch_sampler    its own index stream, drawn with torch's, Python's and NumPy's
                                           RNGs and its `generator` seeded from (seed, epoch), then restored
+    a stream (data/indexed.py)            its shards permuted by (seed, epoch), rows within each shard by
+                                          (seed, epoch, shard)
 
 Sharding itself (which replica loads what) belongs to paratrain, never to the sampler: a sampler that
 shards by rank is refused or, for `DistributedSampler`, replaced.
@@ -66,14 +68,20 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
 
 def read_order(loader: DataLoader, seed: int, replicas: int) -> Order:
     """The order `loader` asks for, or a ParatrainError naming what to change."""
+    from .indexed import StreamOrder  # here: indexed draws with this module's SEED_STRIDE
+
     dataset = loader.dataset
-    if isinstance(dataset, IterableDataset):
+    if isinstance(dataset, IterableDataset):  # ShardedLoader has made every stream it can order indexable
         raise ParatrainError(
             f"prepare_loader cannot order or shard an IterableDataset ({type(dataset).__name__}): its stream "
             "has no index to split by rank, so results would depend on the number of workers; use a map-style "
-            "Dataset (with __getitem__ and __len__), or shard the stream yourself and pass the plain DataLoader "
-            "to the loop (not to prepare_loader)"
+            "Dataset (with __getitem__ and __len__), one of the streams docs/usage.md \"Streamed data\" lists, or "
+            "shard the stream yourself and pass the plain DataLoader to the loop (not to prepare_loader)"
         )
+    if isinstance(loader.sampler, StreamOrder) and loader.batch_size is not None:
+        stream = loader.sampler
+        return Order("stream", seed, "setup(seed=...)", stream.shuffle, False,
+                     lambda epoch: Epoch(stream.draw(seed, epoch)))
     n = len(dataset)  # type: ignore[arg-type]
     if loader.batch_size is None and loader.batch_sampler is None:
         raise ParatrainError(

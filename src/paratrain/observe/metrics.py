@@ -8,7 +8,7 @@ A mean is the sum divided by the world size; per-rank values travel in slots tha
 other rank, so the same sum gathers them. The checksum (of the names and whether phases are timed)
 must come back `world size` times itself: a rank that logged other names is an error, not a silently
 mixed-up average. Nothing is packed, reduced or opened until the first `run.log`; a run that never
-logs pays nothing.
+logs pays nothing (but for a slow-rank event, stragglers.py, which rank 0 appends to metrics.jsonl too).
 
 `samples=` and `tokens=` are counts, not averages: what this rank processed since its previous
 `run.log`, summed over data-parallel replicas (the stages of one pipeline replica count once) and
@@ -22,26 +22,23 @@ import numbers
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import ParatrainError
-from .breakdown import PHASES, Breakdown, RankTimes, describe, per_step, rank_times, slow_ranks
+from .breakdown import PHASES, Breakdown, RankTimes, per_step, rank_times, slow_ranks
 from .progress import Bar
 from .sinks import INSTALL_HINT, JsonLines, TensorBoard, default_log_dir, notice
 
 REDUCE_MODES = ("mean", "sum")
 COUNTS = ("samples", "tokens")
-AUTOMATIC = ("step", "time", "step_time_s", "samples_per_s", "tokens_per_s", "per_rank", "slow_ranks",
+AUTOMATIC = ("step", "time", "event", "step_time_s", "samples_per_s", "tokens_per_s", "per_rank", "slow_ranks",
              *(f"{p}_s" for p in (*PHASES, "other")))
 """Fields paratrain writes itself; a metric may not take one of these names."""
 
 Reduce = str | Mapping[str, str]
-WARN_AFTER_STEPS = 10
-"""A slow rank is warned about (once) when it is slow over at least this many logged steps, not in one interval."""
 
 
 class MetricLog:
@@ -63,9 +60,6 @@ class MetricLog:
         self._total: int | None = None
         self._shown: dict[str, str] = {}
         """The bar's text: the latest value of everything logged so far (a validation line keeps the loss)."""
-        self._warned: set[int] = set()
-        self._judged: tuple[int, list[list[float]]] = (0, [])
-        """Steps and per-rank phase seconds logged so far, for the warning about a slow rank."""
         self._step = 0
         """The step the current interval starts after (the last one logged, or the checkpoint's)."""
         self.start(0, 0)
@@ -90,7 +84,7 @@ class MetricLog:
         names = list(values)
         modes = _modes(names, reduce)
         steps = step - self._step
-        timed = self.timing.enabled and steps > 0  # a line at the same step (validation) has no steps to time
+        timed = self.timing.profiling and steps > 0  # a line at the same step (validation) has no steps to time
         now = self.timing.snapshot()
         mine = per_step(self._since, now, steps) if timed else []
         slot = len(mine)
@@ -132,14 +126,13 @@ class MetricLog:
             self._total = total_steps
         if self.rank == 0:
             self._write(step, record)
-            self._judge(step, steps, ranks)
         if steps > 0:  # else the interval goes on: the next step's time includes what ran at this one
             self.start(step, micro, now)
         return record
 
     # -- rank 0 ---------------------------------------------------------------------------------
     def _write(self, step: int, record: dict[str, Any]) -> None:
-        if self._jsonl is None:
+        if self._bar is None:
             self._open(step)
         assert self._jsonl is not None and self._bar is not None
         self._jsonl.write(record)
@@ -149,27 +142,20 @@ class MetricLog:
         self._bar.advance(to=step, total=self._total,
                           postfix=", ".join(f"{k}={v}" for k, v in self._shown.items() if v))
 
-    def _judge(self, step: int, steps: int, ranks: list[RankTimes]) -> None:
-        """Warn once about each rank that is slow over all the steps logged so far (one noisy interval is not
-        enough; the per-interval verdict is the record's `slow_ranks`)."""
-        if not ranks or steps <= 0:
-            return
-        seen, sums = self._judged
-        sums = sums or [[0.0] * len(astuple(t)) for t in ranks]
-        sums = [[a + b * steps for a, b in zip(row, astuple(t))] for row, t in zip(sums, ranks)]
-        self._judged = (seen + steps, sums)
-        if seen + steps < WARN_AFTER_STEPS:
-            return
-        overall = [RankTimes(*(v / (seen + steps) for v in row)) for row in sums]
-        for r in slow_ranks(overall):
-            if r not in self._warned:
-                self._warned.add(r)
-                with self.outside():
-                    notice(f"over steps up to {step}, {describe(r, overall)}")
+    def event(self, record: dict[str, Any], text: str) -> None:
+        """Print `text` (above the bar) and append `record`, which carries its own "step" and "event", to
+        metrics.jsonl: a thing that happened, not a logged step (a slow rank). Opens the file if no `run.log` has,
+        dropping what a crashed process wrote after the step this one resumed from, as the first `run.log` would."""
+        with self.outside():
+            notice(text)
+        if self._jsonl is None:
+            self._jsonl = JsonLines(self.folder / "metrics.jsonl", first_step=self._step + 1)
+        self._jsonl.write({"step": record["step"], "time": round(time.time(), 3), **record})
 
     def _open(self, step: int) -> None:
         folder = self.folder
-        self._jsonl = JsonLines(folder / "metrics.jsonl", first_step=step)
+        if self._jsonl is None:  # else opened for an event before the first run.log
+            self._jsonl = JsonLines(folder / "metrics.jsonl", first_step=step)
         self._tensorboard = TensorBoard.open(folder, first_step=step)
         self._bar = Bar(self._progress, total=self._total, initial=self._step, unit="step")
         if self._tensorboard is None:

@@ -51,6 +51,9 @@ class StepState:
     """The run's `random_calls.RandomCalls`: random functions a forward calls, drawn by the layout-independent rule."""
     eager_draws: tuple[Any, Any] | None = None
     """Set when the run compiles: dropout's draws wrapped to run eagerly inside compiled code (`randomness`)."""
+    rows: Any = None
+    """Which rows of the global batch a forward of this run sees (`expert.router_stats.Rows`), for statistics
+    that must be the global batch's."""
     batches: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     """Numbers the batches the run's training loaders yield, so the latest one weighs the next micro-step's loss."""
 

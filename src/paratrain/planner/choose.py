@@ -175,8 +175,10 @@ def describe(best: Prediction, runner_up: Prediction | None, seconds: float) -> 
 
 def plan(model: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None, *, world: int, nodes: int,
          global_batch: int, precision: str, grad_accum: int, pipelines: bool, device: torch.device,
-         accepts: Callable[[dict[str, Any]], str | None], say: Say = print) -> Choice:
-    """The fastest layout for this world; `accepts(setup_options)` is the engine's refusal (None: it runs)."""
+         accepts: Callable[[dict[str, Any]], str | None], say: Say = print,
+         real: Callable[[nn.Module], nn.Module] | None = None) -> Choice:
+    """The fastest layout for this world; `accepts(setup_options)` is the engine's refusal (None: it runs). A model
+    built on the meta device is measured a layer at a time, each made real by `real` (`profile.measure`)."""
     from . import search
     from .command import micro_sizes
     from .profile import measure
@@ -185,12 +187,13 @@ def plan(model: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None
     cluster = for_world(machine(device.type, say), world, nodes)
     name = optimizer_name(optimizer)
     sizes = micro_sizes(global_batch, limit=6)
-    probe = copy.deepcopy(model).to(device)  # the user's model keeps its weights, statistics and gradients
+    # the user's model keeps its weights, statistics and gradients; a meta model's layers are copied as timed
+    probe = model if real is not None else copy.deepcopy(model).to(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         profile = measure(probe, lambda b: (map_tensors(lambda t: t.to(device), resized(example, b)), None),
                           _StandInLoss(), sizes,
                           name=type(model).__name__, precision=precision, optimizer=name, repeats=REPEATS,
-                          device=device)
+                          device=device, real=real)
     del probe
     found = ranked(search.layouts(profile, cluster, global_batch, precision=precision, optimizer=name,
                                   devices=world, strategies=CANDIDATES), world, grad_accum, pipelines)

@@ -102,6 +102,9 @@ class Profile:
     (0: the model has no tensor-parallel plan, see `tp_note`)."""
     tp_note: str | None = None
     """Why tensor-parallel layouts do not apply (the plan's refusal), or where the plan came from."""
+    built: str = "whole"
+    """How each rank builds the model before `prepare` splits it: "whole" (its every tensor, on every rank), or
+    "meta" (on the meta device: each rank gets storage for its share only, a layer's tensors at a time)."""
 
     @property
     def params(self) -> int:

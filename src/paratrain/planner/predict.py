@@ -114,13 +114,19 @@ def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, opti
     else:
         out = _data_parallel(profile, layout, cluster, batch, optimizer)
     out.memory.process = cluster.process_bytes
+    out.memory.build = memory.building(profile.param_bytes, out.memory.params,
+                                       max((x.param_bytes for x in profile.layers), default=0),
+                                       profile.built == "meta", cluster.kind == "cpu")
     out.memory.phased = cluster.kind == "cuda" and layout.grad_accum == 1 and not layout.pipelined
     needed, available = out.memory.total + cluster.reserved, capacity(cluster, layout)
     if available and needed > available:
         out.fits = False
-        out.reason = (f"needs {needed / GIB:.1f} GiB per worker, {available / GIB:.1f} GiB available "
-                      f"(parameters+gradients+optimizer {out.memory.state / GIB:.1f}, "
-                      f"activations {out.memory.activations / GIB:.1f})")
+        m = out.memory
+        held = (f"parameters+gradients+optimizer {m.state / GIB:.1f}, activations {m.activations / GIB:.1f}"
+                if m.total > m.process + m.build else
+                f"its build {m.build / GIB:.1f}" + ("" if profile.built == "meta" else
+                                                    ": the whole model on every rank; build it on the meta device"))
+        out.reason = f"needs {needed / GIB:.1f} GiB per worker, {available / GIB:.1f} GiB available ({held})"
     out.samples_per_s = batch / out.step_s if out.step_s else 0.0
     out.tokens_per_s = out.samples_per_s * profile.tokens_per_sample
     peak = cluster.peak_flops.get(layout.precision, 0.0)
@@ -288,7 +294,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     else:
         mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
     mem.data = profile.sample_bytes * batch / dp
-    if cluster.kind == "cpu":  # the balance's trial run of the whole model stays resident (see memory.py)
+    if cluster.kind == "cpu" and profile.built != "meta":  # the balance's trial run stays resident (memory.py)
         build = costs.tensor_params(profile.layers, tp)[1] + memory.activations(_tensor_activations(profile.layers, tp),
                                                          max(x.output_bytes for x in profile.layers), b)
         mem.retained = max(0.0, build - mem.activations - mem.grads)

@@ -22,6 +22,7 @@ shorter (`_overlapped`). CPU measurements run on one thread, as every CPU worker
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -31,11 +32,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._tree import map_tensors, nbytes
+from ..errors import ParatrainError
 from ..measure.timing import best_seconds
 from ..parallel.pipeline.balance import LayerTimes, time_layers
 from ..parallel.pipeline.memory import ActivationMeter, param_bytes
 from ..parallel.pipeline.partition import layers_of
 from ..precision import apply_autocast
+from ..weights.build import all_meta, has_meta
 from . import tensor_profile
 from .costs import LayerCost, Profile
 
@@ -167,12 +170,48 @@ def _optimizer_seconds(model: nn.Module, name: str, repeats: int, device: torch.
     return best_seconds(opt.step, device, repeats)
 
 
+def _loss(loss_fn: nn.Module, target: Any, value: Any) -> Any:
+    return loss_fn(value, target)
+
+
+def _one_at_a_time(layers: list[tuple[str, nn.Module]], batches: dict[int, tuple[Any, Any]], loss_fn: nn.Module,
+                   repeats: int, real: Callable[[nn.Module], nn.Module], precision: str, device: torch.device,
+                   optimizer: str) -> tuple[dict[int, list[LayerTimes]], float]:
+    """A model built on the meta device, timed as `_chain` times a real one, each layer made real (`real`: its
+    initial values, on `device`) for its own turn only, so the profile never holds more than one layer's weights.
+    Also the optimizer's seconds per parameter, timed on the layer with the most."""
+    values = {b: x for b, (x, _) in batches.items()}
+    times: dict[int, list[LayerTimes]] = {b: [] for b in batches}
+    rate, most = 0.0, 0
+    for i, (_, module) in enumerate(layers):
+        twin = apply_autocast(real(module), precision, device.type)
+        for b, (_, y) in batches.items():
+            timed: list[Callable[[Any], Any]] = [twin]
+            if i == len(layers) - 1:
+                timed.append(functools.partial(_loss, loss_fn, y))
+            times[b] += time_layers(timed, values[b], repeats)
+            with torch.no_grad():
+                values[b] = _call(twin, values[b])
+        trained = sum(p.numel() for p in twin.parameters() if p.requires_grad)
+        if trained > most:
+            most, rate = trained, _optimizer_seconds(twin, optimizer, repeats, device) / trained
+        del twin
+    return times, rate
+
+
 def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[int], *, name: str,
             precision: str = "32", optimizer: str = "adam", repeats: int = 5,
-            device: torch.device | None = None, tp_plan: dict[str, str] | None = None) -> Profile:
+            device: torch.device | None = None, tp_plan: dict[str, str] | None = None,
+            real: Callable[[nn.Module], nn.Module] | None = None) -> Profile:
     """The model's `Profile`, measured at every micro-batch size in `sizes` (one device, one thread on CPU);
-    `tp_plan` as `setup(tp_plan=)` takes it (None: the plan tensor parallelism would find)."""
-    device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+    `tp_plan` as `setup(tp_plan=)` takes it (None: the plan tensor parallelism would find). A model built on the
+    meta device is traced and its FLOPs counted there, and each layer timed with `real(layer)`, a copy of it with
+    storage and its initial values; its whole step is not run (no per-call overhead is measured)."""
+    meta = has_meta(model)
+    if meta and real is None:
+        raise ParatrainError("the model is on the meta device and has no values to time; measure it through "
+                             "run.prepare with strategy='auto', which makes each layer real in turn")
+    device = device or next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     sizes = sorted(set(int(s) for s in sizes))
     largest = sizes[-1]
     with _one_thread(device):
@@ -180,20 +219,31 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         x_small, y_small = batches[sizes[0]]
         layers = layers_of(model, x_small)  # traced with the batch as its one positional input, as `prepare` does
         modules = [apply_autocast(m, precision, device.type) for _, m in layers]
-        measured: dict[int, list[LayerTimes]] = {b: _chain(modules, *batches[b], loss_fn, repeats) for b in sizes}
-        flops = _count(modules, x_small, y_small, loss_fn)
-        split = tensor_profile.measure(model, x_small, [n for n, _ in layers], tp_plan)
-        stepped = apply_autocast(model, precision, device.type)
-        wholes = {b: _whole_step(stepped, *batches[b], loss_fn, repeats, device)
-                  for b in (sizes if device.type == "cuda" else [largest])}
-        saved = _saved_in_chain(modules, *batches[largest], loss_fn)
-        opt = _optimizer_seconds(model, optimizer, repeats, device)
+        if meta:
+            assert real is not None
+            measured, opt_per_param = _one_at_a_time(layers, batches, loss_fn, repeats, real, precision, device,
+                                                     optimizer)
+            x_meta, y_meta = map_tensors(lambda t: t.to("meta"), (x_small, y_small))
+            with all_meta(model):
+                flops = _count(modules, x_meta, y_meta, loss_fn)
+                split = tensor_profile.measure(model, x_meta, [n for n, _ in layers], tp_plan)
+            saved = [t.activation_bytes for t in measured[largest]]  # each layer alone (a real chain is not built)
+            wholes: dict[int, float] = {}
+        else:
+            measured = {b: _chain(modules, *batches[b], loss_fn, repeats) for b in sizes}
+            flops = _count(modules, x_small, y_small, loss_fn)
+            split = tensor_profile.measure(model, x_small, [n for n, _ in layers], tp_plan)
+            stepped = apply_autocast(model, precision, device.type)
+            wholes = {b: _whole_step(stepped, *batches[b], loss_fn, repeats, device)
+                      for b in (sizes if device.type == "cuda" else [largest])}
+            saved = _saved_in_chain(modules, *batches[largest], loss_fn)
+            opt_seconds = _optimizer_seconds(model, optimizer, repeats, device)
     median = statistics.median
     seconds_at = {b: [(median(t.forwards), median(t.backwards)) for t in measured[b]] for b in sizes}
-    if device.type == "cuda":  # see _overlapped
+    if wholes and device.type == "cuda":  # see _overlapped
         seconds_at = {b: _overlapped(times, wholes[b]) for b, times in seconds_at.items()}
     parts = sum(f + b for f, b in seconds_at[largest])
-    whole = wholes[largest]
+    whole = wholes.get(largest, parts)
     costs = []
     seen: dict[int, str] = {}  # parameter -> the first layer holding it
     for i, (layer_name, module) in enumerate(layers):
@@ -219,7 +269,8 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
     profile = Profile(
         name=name, layers=costs, sample_bytes=nbytes(batches[largest]) / largest, source="measured",
         precision=precision, optimizer=optimizer, step_overhead_s=max(0.0, whole - parts), tp_width=split.width,
-        tp_note=split.note,
+        tp_note=split.note, built="meta" if meta else "whole",
     )
-    profile.optimizer_s_per_param = opt / max(1, profile.params)  # the step updated each distinct parameter once
+    # the step updated each distinct parameter once
+    profile.optimizer_s_per_param = opt_per_param if meta else opt_seconds / max(1, profile.params)
     return profile

@@ -27,7 +27,8 @@ def table(predictions: Sequence[Prediction], profile: Profile, top: int) -> str:
     """Ranked layouts that fit (at most `top`), then the ones that do not, each with its reason."""
     unit = "tokens/s" if profile.tokens_per_sample > 1 else "samples/s"
     head = (f"  {'#':>2} {'layout':<44} {'dev':>4} {'step s':>9} {unit:>11} {'MFU':>5} {'GiB/worker':>10} "
-            f"{'params':>6} {'grads':>6} {'optim.':>6} {'activ.':>6} {'in fl.':>6} {'bubble':>6} {'exp. comm s':>11}")
+            f"{'params':>6} {'grads':>6} {'optim.':>6} {'activ.':>6} {'build':>6} {'in fl.':>6} {'bubble':>6} "
+            f"{'exp. comm s':>11}")
     lines = [head]
     fitting = [p for p in predictions if p.fits]
     for i, p in enumerate(fitting[:top], 1):
@@ -35,7 +36,7 @@ def table(predictions: Sequence[Prediction], profile: Profile, top: int) -> str:
         lines.append(
             f"  {i:>2} {p.layout.label:<44} {p.layout.devices:>4} {p.step_s:>9.4f} {_rate(p, profile):>11} "
             f"{p.mfu:>5.1%} {_gib(m.total):>10} {_gib(m.params):>6} {_gib(m.grads):>6} {_gib(m.optimizer):>6} "
-            f"{_gib(m.activations):>6} {m.in_flight:>6} {p.bubble:>6.1%} {p.exposed_comm_s:>11.4f}")
+            f"{_gib(m.activations):>6} {_gib(m.build):>6} {m.in_flight:>6} {p.bubble:>6.1%} {p.exposed_comm_s:>11.4f}")
     if len(fitting) > top:
         lines.append(f"  ... {len(fitting) - top} more that fit (all in plan.json)")
     refused = [p for p in predictions if not p.fits]

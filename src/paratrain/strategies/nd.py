@@ -46,11 +46,13 @@ class _Replicas(nn.Module):
     """A (tensor-parallel) model whose gradients are averaged over its data-parallel replicas after each
     backward that ends an accumulation window."""
 
-    def __init__(self, module: nn.Module, group: Any, size: int) -> None:
+    def __init__(self, module: nn.Module, group: Any, size: int, skip: set[nn.Parameter] | None = None) -> None:
         super().__init__()
         self.module, self.group, self.size = module, group, size
         self.flat_grads: dict[torch.dtype, torch.Tensor] = {}  # see average_gradients
         self.sync = True
+        self.skip = {id(p) for p in skip or ()}
+        """Parameters whose gradients are reduced elsewhere (experts: `parallel.expert`)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*args, **kwargs)
@@ -67,7 +69,8 @@ class _Replicas(nn.Module):
         return grad
 
     def average(self) -> None:
-        average_gradients(self.module.parameters(), self.group, self.size, self.flat_grads)
+        average_gradients((p for p in self.module.parameters() if id(p) not in self.skip), self.group, self.size,
+                          self.flat_grads)
 
 
 class _Stages(nn.Module):
@@ -104,10 +107,19 @@ class NDStrategy:
     def dims(self, ctx: Context) -> ParallelDims:
         cfg = ctx.config
         return dims_for(self.name, ctx.placement.world_size, tp_size=cfg.tp_size, pp_size=cfg.pp_size,
-                        dp_replicate=cfg.dp_replicate)
+                        dp_replicate=cfg.dp_replicate, ep_size=cfg.ep_size, cp_size=cfg.cp_size)
 
     def check(self, ctx: Context) -> None:
         dims = self.dims(ctx)
+        if dims.ep > 1 and (dims.pp > 1 or dims.tp > 1 or dims.cp > 1):
+            raise ParatrainError(
+                f"strategy {self.name!r}: expert parallelism runs beside data parallelism (ep, ddp+ep, fsdp+ep, "
+                "ddp+fsdp+ep); with tp, cp or pp it is not built: drop 'ep', or drop the model axes")
+        if dims.cp > 1 and (dims.pp > 1 or dims.dp_replicate > 1 and dims.dp_shard > 1):
+            raise ParatrainError(
+                f"strategy {self.name!r}: context parallelism runs beside tensor parallelism and one data-parallel "
+                "axis (cp, tp+cp, ddp+cp, fsdp+cp); with pp or hybrid sharding it is not built: drop 'cp', or drop "
+                "the other axes")
         if dims.pp > 1:
             check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
 
@@ -138,6 +150,11 @@ class NDStrategy:
                 print(f"paratrain: {describe(plan, source, dims.tp)}", flush=True)
                 for note in settled:
                     print(f"paratrain: tensor parallel: {note}", flush=True)
+        experts = self._experts(model, dims, ctx) if dims.ep > 1 else None
+        if dims.cp > 1:
+            from ..parallel.context import apply_cp
+
+            apply_cp(model, mesh["cp"].get_group(), dims.cp, mesh.get_local_rank("cp"))
         if dims.pp > 1:
             from ..parallel.pipeline.pipelining import PipelineModule
 
@@ -150,23 +167,44 @@ class NDStrategy:
                 precision=cfg.precision)
             # HSDP's FSDP reduces over the replicas too; plain replicas of a pipeline average here
             return _Stages(pipe, mesh["dp_replicate"].get_group(), dims.dp_replicate if dims.dp_shard == 1 else 1)
+        own = set(experts.params) if experts is not None else set()  # reduced by `experts`, not the data axes
         if dims.dp_shard > 1:
-            return apply_fsdp(model, self._shard_mesh(dims, mesh), precision=cfg.precision)
-        if dims.dp_replicate > 1:
-            return _Replicas(model, mesh["dp_replicate"].get_group(), dims.dp_replicate)
+            return apply_fsdp(model, self._shard_mesh(dims, mesh), precision=cfg.precision, ignored=own)
+        if dims.dp_replicate * dims.cp > 1:  # context-parallel ranks average as replicas do (parallel.context)
+            group = mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp") if dims.cp > 1 else mesh["dp_replicate"]
+            return _Replicas(model, group.get_group(), dims.dp_replicate * dims.cp, skip=own)
         return model
+
+    @staticmethod
+    def _experts(model: nn.Module, dims: ParallelDims, ctx: Context) -> Any:
+        from ..parallel.expert.apply import Groups, apply_ep
+
+        mesh, replicas = dims.build_expert_mesh(ctx.device.type)
+        grads = apply_ep(model, Groups(mesh=mesh, rank=mesh.get_local_rank(), size=dims.ep,
+                                       replicas=replicas.get_group(), replica_count=replicas.size(),
+                                       data_parallel=dims.dp))
+        model.__dict__["_paratrain_experts"] = grads  # set_gradient_sync finds it there
+        if ctx.placement.rank == 0:
+            print(f"paratrain: expert parallel: {dims.ep} ranks per expert group, "
+                  f"{replicas.size()} holding the same experts", flush=True)
+        return grads
 
     @staticmethod
     def _shard_mesh(dims: ParallelDims, mesh: Any) -> Any:
         """FSDP's mesh: "dp_shard", or HSDP's "dp_replicate" x "dp_shard"; None without sharding."""
         if dims.dp_shard == 1:
             return None
+        if dims.cp > 1:  # shards over the context-parallel ranks too: they hold one replica's weights (torchtitan)
+            return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return self.dims(ctx).data_shard(ctx.placement.rank)
 
     def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        experts = self.unwrap(model).__dict__.get("_paratrain_experts")
+        if experts is not None:
+            experts.sync = sync
         if isinstance(model, _Stages):
             model.sync = model.pipe.sync = sync  # the pipeline sums tied gradients when the window ends
         elif isinstance(model, _Replicas):

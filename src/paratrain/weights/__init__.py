@@ -19,7 +19,7 @@ from .build import empty_init, has_meta, place
 from .export import export
 from .fill import materialize, settle
 from .sources import source_for
-from .streamed import real_copy, sourced, streamed
+from .streamed import real_copy, real_layer, sourced, streamed
 
-__all__ = ["empty_init", "export", "has_meta", "materialize", "place", "real_copy", "settle", "source_for", "sourced",
-           "streamed"]
+__all__ = ["empty_init", "export", "has_meta", "materialize", "place", "real_copy", "real_layer", "settle",
+           "source_for", "sourced", "streamed"]

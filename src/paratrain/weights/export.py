@@ -1,11 +1,18 @@
 """`run.export`: the whole model's weights under their original names, as Hugging Face writes them, from any layout.
 
-No rank gathers the model: each tensor is made whole on its own (`full_tensor()`, one collective over the ranks that
-share it) and written by one rank that holds it straight into its file (the header, known from the shapes, goes
-first), files of at most `max_shard_bytes`; rank 0 then names the files `model-0000i-of-0000n.safetensors` with
-their index (one file: `model.safetensors`) and writes a Hugging Face model's config beside them. Every name of the
-state dict is written, a tied weight under each of its names, so `load_state_dict` takes the files as they are and
-`from_pretrained` ties them again.
+No rank gathers the model, and nothing is sent: every rank knows every tensor's name, shape and dtype (one small
+gather), so all of them compute the same files (at most `max_shard_bytes` each, `model-0000i-of-0000n.safetensors`
+with an index, or `model.safetensors`) and where each tensor's bytes lie in them; rank 0 writes the headers and
+sizes the files, and each rank then writes the blocks it holds where they lie (a DTensor's local block, once per
+replicated copy; a pipeline stage's tensors; an FSDP shard's rows; a strided split's several regions, such as a
+fused projection's parts: `checkpoint.strided.regions`). So a rank's peak is its share: nothing is made whole.
+Every name of the state dict is written, a tied weight under each of its names, so `load_state_dict` takes the
+files as they are and `from_pretrained` ties them again; a Hugging Face model's config goes beside them. The ranks
+must share the folder (one file system), as they share a checkpoint's.
+
+A LoRA model (peft) is written as `PeftModel.save_pretrained` writes it, adapters only (`_export_adapters`):
+`adapter_model.safetensors` in peft's names and `adapter_config.json`, which `PeftModel.from_pretrained(base, path)`
+loads; `adapters_only=False` writes the whole model as above, in the wrapped model's names.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .. import collectives
-from . import safetensors_format
+from ..errors import ParatrainError
+from . import lora, safetensors_format
 from .files import INDEX, SINGLE
 from .names import saved_names
 
@@ -34,16 +43,17 @@ def _writes(t: torch.Tensor) -> bool:
     return coordinate is not None and all(c == 0 for c in coordinate)
 
 
-def _files(mine: list[tuple[str, torch.Tensor]], limit: int) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
-    """The tensors this rank writes, in order, cut into files of at most `limit` bytes (a bigger tensor alone)."""
+def _files(specs: list[tuple[str, tuple[torch.Size, torch.dtype]]],
+           limit: int) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+    """Tensors in order, cut into files of at most `limit` bytes (a bigger tensor alone): the same on every rank."""
     files: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
     size = 0
-    for name, t in mine:
-        nbytes = t.numel() * t.element_size()
+    for name, (shape, dtype) in specs:
+        nbytes = shape.numel() * dtype.itemsize
         if files[-1] and size + nbytes > limit:
             files.append([])
             size = 0
-        files[-1].append((name, t.shape, t.dtype))
+        files[-1].append((name, shape, dtype))
         size += nbytes
     return [f for f in files if f]
 
@@ -69,8 +79,17 @@ class _Walk:
 
 
 def export(held: nn.Module, original: nn.Module, path: str | os.PathLike[str], rank: int,
-           max_shard_bytes: int) -> Path:
-    """Write `held` (this rank's part of the model, in the original names) to `path`; collective."""
+           max_shard_bytes: int, adapters_only: bool | None = None) -> Path:
+    """Write `held` (this rank's part of the model, in the original names) to `path`; collective. A LoRA model's
+    adapters alone, as peft writes them, unless `adapters_only` is False (None: when the model has adapters)."""
+    root = lora.peft_root(original)
+    if adapters_only is None:
+        adapters_only = root is not None
+    if adapters_only:
+        if root is None:
+            raise ParatrainError(f"run.export(adapters_only=True): {type(original).__name__} has no peft adapters "
+                                 "(no module with a peft_config); leave adapters_only unset to export the model")
+        return _export_adapters(held, original, root, Path(path), rank)
     folder = Path(path)
     order = {name: i for i, name in enumerate(original.state_dict(keep_vars=True))}
     saved = saved_names(original)
@@ -83,27 +102,84 @@ def export(held: nn.Module, original: nn.Module, path: str | os.PathLike[str], r
             if old.name.startswith(("model", PREFIX)):
                 old.unlink()
         (folder / INDEX).unlink(missing_ok=True)
-    collectives.barrier()
-    offers = _gather([(n, _writes(t)) for n, t in mine])
+    offers = _gather((list(order), [(n, tuple(t.shape), t.dtype, _writes(t)) for n, t in mine]))
+    order = {name: i for i, name in enumerate(_merged([names for names, _ in offers]))}
+    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
     writer: dict[str, int] = {}
-    for r, offered in enumerate(offers):
-        for name, ok in offered:
+    for r, (_, offered) in enumerate(offers):
+        for name, shape, dtype, ok in offered:
+            specs.setdefault(name, (torch.Size(shape), dtype))
             if ok:
                 writer.setdefault(name, r)
-    walk = _Walk(mine)
-    written: list[tuple[str, list[str], int]] = []
-    with torch.no_grad():
-        for specs in _files([(n, t) for n, t in mine if writer.get(n) == rank], max_shard_bytes):
-            file = f"{PREFIX}{rank:05d}-{len(written):05d}.safetensors"
-            size = safetensors_format.write(folder / file, specs, walk.until)
-            written.append((file, [name for name, _, _ in specs], size))
-        walk.finish()
-    parts = _gather(written)
+    names = sorted(specs, key=lambda n: order.get(n, len(order)))
+    files = _files([(n, specs[n]) for n in names], max_shard_bytes)
+    titles = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                               for i in range(len(files))]
+    start: dict[str, tuple[str, int]] = {}
+    for title, members in zip(titles, files):
+        head, starts, size = safetensors_format.layout(members)
+        start.update({n: (title, starts[n]) for n, _, _ in members})
+        if rank == 0:
+            with open(folder / title, "wb") as f:
+                f.write(head)
+                f.truncate(size)
+    collectives.barrier()  # every file exists at its size: each rank writes its pieces into them
+    handles: dict[str, int] = {}
+    try:
+        with torch.no_grad():
+            for name, t in mine:
+                title, offset = start[name]
+                if title not in handles:
+                    handles[title] = os.open(folder / title, os.O_WRONLY)
+                _write(handles[title], offset, name, t, writer[name] == rank)
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    collectives.barrier()
     if rank == 0:
-        _name_files(folder, [part for per_rank in parts for part in per_rank], order)
+        if len(files) > 1:
+            _index(folder, titles, files, order)
         _config(original, folder)
     collectives.barrier()
     return folder
+
+
+def _merged(orders: list[list[str]]) -> list[str]:
+    """One order of every rank's state-dict names, each rank's own order kept: a rank that holds only some of the
+    model (its experts, its stages) lists a subsequence, and each name it alone holds goes after the one it follows
+    there. The same on every rank, so all of them lay out the files alike."""
+    merged = list(orders[0])
+    at = {name: i for i, name in enumerate(merged)}
+    for names in orders[1:]:
+        previous = None
+        for name in names:
+            if name not in at:
+                merged.insert(at[previous] + 1 if previous is not None else 0, name)
+                at = {n: i for i, n in enumerate(merged)}
+            previous = name
+    return merged
+
+
+def _write(fd: int, offset: int, name: str, t: torch.Tensor, writes_whole: bool) -> None:
+    """This rank's part of one tensor into its file: a DTensor's blocks where they lie in the whole (a plain split's
+    one block, a strided split's several; one copy of a replicated block); any other tensor whole, by its one
+    writer. No collective."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        if writes_whole:
+            safetensors_format.write_piece(fd, offset, t.shape, t, [0] * t.dim())
+        return
+    from torch.distributed.tensor import Replicate
+
+    from ..checkpoint.strided import regions
+
+    coordinate = t.device_mesh.get_coordinate()  # type: ignore[attr-defined]
+    if coordinate is None or any(c and isinstance(p, Replicate) for c, p in zip(coordinate, placements)):
+        return  # another rank writes this copy of the block
+    local = t.to_local()  # type: ignore[attr-defined]
+    for whole_at, local_at, sizes in regions(t):  # one block, or a strided split's several (a fused projection's)
+        block = local[tuple(slice(o, o + n) for o, n in zip(local_at, sizes))]
+        safetensors_format.write_piece(fd, offset, t.shape, block, whole_at)
 
 
 def _gather(value: object) -> list:  # type: ignore[type-arg]
@@ -114,17 +190,10 @@ def _gather(value: object) -> list:  # type: ignore[type-arg]
     return out
 
 
-def _name_files(folder: Path, parts: list[tuple[str, list[str], int]], order: dict[str, int]) -> None:
-    parts.sort(key=lambda part: min(order.get(n, len(order)) for n in part[1]))
-    if len(parts) == 1:
-        os.replace(folder / parts[0][0], folder / SINGLE)
-        return
-    weight_map, total = {}, 0
-    for i, (file, names, size) in enumerate(parts):
-        final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        os.replace(folder / file, folder / final)
-        weight_map.update(dict.fromkeys(names, final))
-        total += size
+def _index(folder: Path, titles: list[str], files: list[list[tuple[str, torch.Size, torch.dtype]]],
+           order: dict[str, int]) -> None:
+    weight_map = {name: title for title, members in zip(titles, files) for name, _, _ in members}
+    total = sum(shape.numel() * dtype.itemsize for members in files for _, shape, dtype in members)
     ordered = dict(sorted(weight_map.items(), key=lambda item: order.get(item[0], len(order))))
     index = {"metadata": {"total_size": total}, "weight_map": ordered}
     (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
@@ -139,3 +208,73 @@ def _config(original: nn.Module, folder: Path) -> None:
     generation = getattr(original, "generation_config", None)
     if generation is not None and callable(getattr(generation, "save_pretrained", None)):
         generation.save_pretrained(folder)
+
+
+def _export_adapters(held: nn.Module, original: nn.Module, root: tuple[str, nn.Module], folder: Path,
+                     rank: int) -> Path:
+    """Each adapter of a LoRA model as `PeftModel.save_pretrained` writes it: `adapter_model.safetensors` under
+    peft's keys (chosen and renamed by peft's `get_peft_model_state_dict`) and `adapter_config.json`, in `folder`
+    for the adapter "default", in `folder/NAME` for any other."""
+    prefix, module = root
+    inside = f"{prefix}." if prefix else ""
+    shapes = {n[len(inside):]: (t.shape, t.dtype) for n, t in original.state_dict(keep_vars=True).items()
+              if n.startswith(inside)}
+    tensors = dict((*held.named_parameters(remove_duplicate=False), *held.named_buffers(remove_duplicate=False)))
+    peft_model: Any = module
+    for adapter in peft_model.peft_config:  # the same order on every rank
+        out = lora.adapter_folder(folder, adapter)
+        keys = [(key, inside + name) for key, name in lora.adapter_keys(module, shapes, adapter)]
+        _export_adapter(tensors, keys, out, rank, adapter)
+        if rank == 0:
+            lora.save_config(module, adapter, out)
+        collectives.barrier()
+    return folder
+
+
+def _export_adapter(tensors: dict[str, torch.Tensor], keys: list[tuple[str, str]], out: Path, rank: int,
+                    adapter: str) -> None:
+    """One adapter's tensors (`keys`: peft's key, the tensor's name in `tensors`, this rank's part of the model),
+    made whole one at a time as for the whole model and written by a rank holding each into a part; rank 0 then
+    joins the parts into the one file peft reads (adapters are small), in peft's order."""
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob(f"{PREFIX}*.safetensors"):
+            old.unlink()
+    collectives.barrier()
+    mine = [(name, tensors[name]) for _, name in keys if name in tensors]
+    offers = _gather([(n, _writes(t)) for n, t in mine])
+    writer: dict[str, int] = {}
+    for r, offered in enumerate(offers):
+        for name, ok in offered:
+            if ok:
+                writer.setdefault(name, r)
+    unheld = [key for key, name in keys if name not in writer]
+    if unheld:  # every rank sees the same gathered offers: all raise
+        raise ParatrainError(f"run.export: no rank holds {unheld[:4]} of adapter {adapter!r}")
+    key_of = {name: key for key, name in keys}
+    name_of = {key: name for key, name in keys}
+    walk = _Walk(mine)
+    part = f"{PREFIX}{rank:05d}.safetensors"
+    specs = [(key_of[n], t.shape, t.dtype) for n, t in mine if writer[n] == rank]
+    with torch.no_grad():
+        if specs:
+            safetensors_format.write(out / part, specs, lambda key: walk.until(name_of[key]))
+        walk.finish()
+    parts = _gather(part if specs else None)
+    if rank == 0:
+        _join(out, [p for p in parts if p is not None], [key for key, _ in keys])
+
+
+def _join(out: Path, parts: list[str], order: list[str]) -> None:
+    """The parts' tensors in one `adapter_model.safetensors`, in `order`, read and written one at a time."""
+    where: dict[str, tuple[Path, safetensors_format.Entry]] = {}
+    for part in parts:
+        entries, _, _ = safetensors_format.read_header(out / part)
+        where.update({key: (out / part, entry) for key, entry in entries.items()})
+    specs = [(key, torch.Size(where[key][1].shape), safetensors_format.DTYPES[where[key][1].dtype]) for key in order]
+    final = out / lora.ADAPTER_FILE
+    temporary = out / f"{PREFIX}joined.safetensors"
+    safetensors_format.write(temporary, specs, lambda key: safetensors_format.read(*where[key]))
+    os.replace(temporary, final)
+    for part in parts:
+        (out / part).unlink()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..memstats import give_back_freed
 from ..parallel.tensor import local_part
 from .build import is_empty
 from .names import named_tensors
@@ -95,5 +96,6 @@ def settle(model: nn.Module, replaced: dict[int, Any] | None = None) -> None:
                 for group in state()._fsdp_param_groups:  # type: ignore[operator]
                     for param in group.fsdp_params:
                         param.reset_sharded_param()
+            give_back_freed()  # each re-padded shard frees the one it copied: hand those back as they go
         if callable(getattr(module, "repoint", None)):
             module.repoint()  # type: ignore[operator]

@@ -3,7 +3,8 @@
 A module's tensors are made whole on this rank (bounded by the largest module's own tensors, not the model), its
 initialiser runs on them with torch's generator seeded from (seed, the module's name), and each rank keeps the
 piece it holds. The initialiser is the one its library uses: a Hugging Face model's `_init_weights` (which also
-computes rotary frequencies), else the module's `reset_parameters`. A tensor no initialiser writes is refused by
+computes rotary frequencies), else the module's `reset_parameters`; a LoRA adapter's (peft) its layer's
+`reset_lora_parameters`, so B starts at zero (weights/lora.py). A tensor no initialiser writes is refused by
 name: values left from `torch.empty` are never trained on.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
+from .lora import LoraInit
 from .names import canonical_names, named_tensors
 
 _UNSET = -(2**31)
@@ -67,23 +69,31 @@ class OwnInit:
         self.specs = {name: (t.shape, t.dtype) for name, t in named_tensors(model)}
         """Shapes as built: a layout then empties the tensors other ranks hold (a pipeline's other stages)."""
         self._hf = _hf_owner(model)
+        self.lora = LoraInit(model)
         self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
 
     def full(self, name: str) -> torch.Tensor:
         path, _, attr = self.canonical.get(name, name).rpartition(".")
         if self._cached is None or self._cached[0] != path:
+            self._cached = None  # the previous module's values go before the next one's are made
             self._cached = (path, self._initialised(path))
         return self._cached[1][attr]
 
-    def _initialised(self, path: str) -> dict[str, torch.Tensor]:
+    def _shadow(self, path: str) -> nn.Module:
+        """The module's own attributes (sizes, config, padding_idx), its own tensors whole and blank."""
         module = self.model.get_submodule(path)
-        shadow = copy.copy(module)  # the module's own attributes (sizes, config, padding_idx), its own tensors whole
+        shadow = copy.copy(module)
         named = lambda k: f"{path}.{k}" if path else k  # noqa: E731
         shadow._parameters = {k: None if p is None else nn.Parameter(_blank(*self.specs[named(k)]),
                                                                      requires_grad=p.requires_grad)
                               for k, p in module._parameters.items()}
         shadow._buffers = {k: None if b is None else _blank(*self.specs[named(k)]) for k, b in module._buffers.items()}
         shadow._modules = dict(module._modules)
+        return shadow
+
+    def _initialised(self, path: str) -> dict[str, torch.Tensor]:
+        module = self.model.get_submodule(path)
+        shadow = self._shadow(path)
         how = self._initialiser(path, shadow)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(_key(self.seed, path))
@@ -96,6 +106,13 @@ class OwnInit:
         return values
 
     def _initialiser(self, path: str, shadow: nn.Module) -> Callable[[], Any] | None:
+        adapter = self.lora.initialiser(path, shadow, self._shadow)
+        if adapter is not None:  # a LoRA adapter's tensors: peft's rule, run by their layer (weights/lora.py)
+            def run_adapter() -> None:
+                adapter()
+                if _any_unset(shadow) and hasattr(shadow, "reset_parameters"):
+                    shadow.reset_parameters()  # type: ignore[operator]  # init_lora_weights=False: the module's own
+            return run_adapter
         hf = self._hf.get(path)
         if hf is not None and hasattr(hf, "_init_weights"):
             def run() -> None:
@@ -113,8 +130,17 @@ def _any_unset(module: nn.Module) -> bool:
     return any(t is not None and _unset(t) for t in (*module._parameters.values(), *module._buffers.values()))
 
 
+def _user_class(module: nn.Module) -> str:
+    """The module's own class name, not the subclass FSDP2 makes of it (`FSDPDecoder` for `Decoder`)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return type(module).__name__
+    return next(c.__name__ for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _nothing_sets(name: str, module: nn.Module, had: bool) -> ParatrainError:
-    kind = type(module).__name__
+    kind = _user_class(module)
     why = (f"its initialiser leaves {name} unset" if had
            else f"{kind} has no reset_parameters() and is in no Hugging Face model")
     return ParatrainError(

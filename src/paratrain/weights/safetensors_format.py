@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,53 @@ def _bytes_of(t: torch.Tensor) -> Any:
     """A contiguous CPU tensor's bytes as a writable buffer, shared (no copy, and no numpy)."""
     size = t.numel() * t.element_size()
     return (ctypes.c_ubyte * size).from_address(t.data_ptr()) if size else bytearray()
+
+
+def layout(specs: Iterable[tuple[str, torch.Size, torch.dtype]],
+           metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, int], int]:
+    """A file's first bytes (length and header), where each tensor's data starts in it, and its whole size."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in specs:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    head = len(text).to_bytes(8, "little") + text
+    starts = {k: len(head) + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return head, starts, len(head) + offset
+
+
+def write_piece(fd: int, start: int, shape: Sequence[int], piece: torch.Tensor, offset: Sequence[int]) -> None:
+    """Write `piece`, the block of a tensor of `shape` whose first element is at index `offset`, into the open file
+    `fd` whose copy of that tensor starts at byte `start`: one write per contiguous run of the whole's bytes (the
+    piece's rows, or its whole when it spans every dimension but the first)."""
+    data = piece.detach().to("cpu").contiguous()
+    if not data.numel():
+        return
+    item = data.element_size()
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    inner = len(shape)  # the runs are contiguous over dimensions inner.. (the piece spans them whole)
+    while inner > 1 and data.shape[inner - 1] == shape[inner - 1]:
+        inner -= 1
+    run = data[(0,) * max(0, inner - 1)].numel() if inner > 0 else data.numel()
+    flat = data.reshape(-1)
+    for i, index in enumerate(_indices(data.shape[: max(0, inner - 1)])):
+        element = sum((o + j) * st for o, j, st in zip(offset, (*index, 0), strides))
+        chunk = flat[i * run : (i + 1) * run]
+        os.pwrite(fd, memoryview(_bytes_of(chunk)).cast("B"), start + element * item)
+
+
+def _indices(shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
+    if not shape:
+        yield ()
+        return
+    for first in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (first, *rest)
 
 
 def write(file: Path, specs: Iterable[tuple[str, torch.Size, torch.dtype]],

@@ -3,7 +3,9 @@
 A checkpoint is matched against the model before anything is read: every tensor of its state dict present
 (a tied weight under any of its names), nothing the model lacks, every shape equal; otherwise one refusal lists
 what is missing, unexpected and of another shape. Buffers a state dict does not hold (rotary frequencies) come
-from the modules' own initialisation either way.
+from the modules' own initialisation either way. A LoRA model (peft) also takes its base model's checkpoint (plain
+`save_pretrained` of the base: `x.q_proj.weight` for `base_model.model.x.q_proj.base_layer.weight`); the adapters
+such a file lacks come from their own initialisation (peft's: B zeros), any other missing tensor is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ParatrainError
+from . import lora
 from .files import Checkpoint
 from .own_init import OwnInit
 
@@ -41,12 +44,16 @@ class Source:
         for name in shapes:
             aliases.setdefault(self.canonical[name], []).append(name)
         in_file = ckpt.names()
-        every = set(self.canonical)  # every name of every parameter and buffer
+        base = lora.base_names(model)  # a peft model's base tensors under the base model's names
+        adapters = self.own.lora.adapter_tensors(model)
+        every = set(self.canonical) | set(base.values())  # every name of every parameter and buffer
         missing, differ = [], []
         for first, names in aliases.items():
-            found = next((n for n in (first, *names) if n in in_file), None)
+            found = next((n for n in (first, *names, *(base[n] for n in (first, *names) if n in base))
+                          if n in in_file), None)
             if found is None:
-                missing.append(first)
+                if first not in adapters:  # a base model's checkpoint has no LoRA adapters: their own init
+                    missing.append(first)
                 continue
             stored, want = ckpt.shape(found), shapes[names[0]]
             if stored != want:
@@ -60,8 +67,8 @@ class Source:
             raise ParatrainError(
                 f"init_from={str(ckpt.path)!r} does not fit {type(model).__name__}: its tensors are "
                 f"{'; '.join(s for s in said if s)}. Keys are the module's own state-dict names (model.state_dict()"
-                "): load the checkpoint of this architecture and size, saved from this class (save_pretrained of "
-                "the same model class, or run.export)")
+                "; a peft model's also its base model's): load the checkpoint of this architecture and size, saved "
+                "from this class (save_pretrained of the same model class, or run.export)")
 
     def holds(self, name: str) -> bool:
         """The checkpoint gives this tensor's values."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import _forwards
 from .build import is_empty
-from .fill import materialize, piece
+from .fill import materialize, piece, settle
 from .sources import Source
 
 REASON = "a meta model's forward while it is split (weights.streamed)"
@@ -105,3 +105,18 @@ def real_copy(module: nn.Module) -> nn.Module | None:
         _forwards.strip(sub)
     materialize(twin, at.source, at.device, at.names[id(module)])
     return twin
+
+
+def real_layer(model: nn.Module, source: Source, device: torch.device) -> Callable[[nn.Module], nn.Module]:
+    """For timing a meta model a layer at a time (`strategy="auto"`): a copy of one of its layers (a submodule, or a
+    traced segment holding the model's own names) with storage on `device` and its initial values."""
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def real(layer: nn.Module) -> nn.Module:
+        twin = copy.deepcopy(layer)
+        for sub in twin.modules():
+            _forwards.strip(sub)
+        settle(twin, materialize(twin, source, device, names.get(id(layer), "")))
+        return twin
+
+    return real

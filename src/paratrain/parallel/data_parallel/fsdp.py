@@ -172,8 +172,9 @@ def _check_dtypes(model: nn.Module, units: Sequence[str]) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: Any = None, *, units: Sequence[str] | None = None,
-               precision: str = "32") -> nn.Module:
-    """Shard `model` in place: each unit (`find_units`, or the module paths given), then the root."""
+               precision: str = "32", ignored: set[nn.Parameter] | None = None) -> nn.Module:
+    """Shard `model` in place: each unit (`find_units`, or the module paths given), then the root. `ignored`
+    parameters stay as they are (experts, which expert parallelism already splits and reduces)."""
     from torch.distributed.fsdp import fully_shard
 
     _check_not_sharded(model)
@@ -192,8 +193,8 @@ def apply_fsdp(model: nn.Module, mesh: Any = None, *, units: Sequence[str] | Non
     _check_dtypes(model, units)
     policy = mixed_precision(precision)
     for path in units:
-        _shard(fully_shard, model.get_submodule(path), path, mesh, policy)
-    _shard(fully_shard, model, "", mesh, policy)
+        _shard(fully_shard, model.get_submodule(path), path, mesh, policy, ignored)
+    _shard(fully_shard, model, "", mesh, policy, ignored)
     return model
 
 
@@ -207,9 +208,10 @@ def _placement(param: nn.Parameter) -> Any:
     return Shard(1) if 0 in strided and param.dim() > 1 else Shard(0)
 
 
-def _shard(fully_shard: Any, module: nn.Module, path: str, mesh: Any, policy: Any) -> None:
+def _shard(fully_shard: Any, module: nn.Module, path: str, mesh: Any, policy: Any,
+           ignored: set[nn.Parameter] | None = None) -> None:
     try:
-        fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=_placement)
+        fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=_placement, ignored_params=ignored or None)
     except (ValueError, RuntimeError, AssertionError) as exc:
         where = f"unit {path!r}" if path else "the root module"
         raise ParatrainError(f"fsdp could not shard {where} ({type(module).__name__}): {exc}") from exc

@@ -1,0 +1,158 @@
+"""Context parallelism: each rank of a `cp` group computes a share of every sequence, attention exact across them.
+
+The model's forward is wrapped once (`apply_cp`). Inside it:
+
+- inputs are cut along the sequence (dimension 1 of every input with the sequence's length), load-balanced for
+  causal attention as torchtitan and Megatron do it: the sequence in 2 x cp chunks, rank i keeping chunks i and
+  2cp-1-i, so every rank has as many early (cheap) as late (expensive) queries;
+
+      cp 2, 8 tokens:   chunks 0 1 2 3   rank 0: tokens 0 1 + 6 7   rank 1: tokens 2 3 + 4 5
+
+- the model is given the global positions of its tokens (`position_ids`), so rotary and absolute position
+  embeddings see where each token is in the sequence, not in its share;
+- every `F.scaled_dot_product_attention` call attends from the rank's queries to the whole sequence's keys and
+  values, gathered over the group (a differentiable all-gather: the backward returns each key's gradient to the
+  rank that holds it), causal by global position. This is exact attention, not an approximation, on any device;
+  torch's own `context_parallel` has no rule for the CPU attention kernel;
+- outputs with the share's length are gathered back into the whole sequence, in order, so the loss is the whole
+  sequence's, computed by the user's code on every rank of the group (its gradient reaches each rank's share
+  `cp` times over, which the data-parallel mean over the group then divides: the gradients one process gets).
+
+Attention paratrain cannot see (a softmax over scores computed by hand) would attend within each share only: it is
+refused by name at the first forward, as is a forward with no `position_ids` argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from .. import _forwards
+from .._tree import map_tensors, tensors_in
+from ..errors import ParatrainError
+
+REASON = "context parallelism (parallel.context)"
+
+
+def shares(length: int, size: int, rank: int) -> torch.Tensor:
+    """The global positions rank `rank` of `size` holds of a sequence of `length`: chunks rank and 2*size-1-rank."""
+    if length % (2 * size):
+        raise ParatrainError(
+            f"context parallelism over {size} ranks cuts each sequence into 2 x {size} = {2 * size} equal chunks "
+            f"(load balance for causal attention), and sequences of {length} tokens do not divide: use a sequence "
+            f"length that is a multiple of {2 * size}, or a cp_size that divides it")
+    chunk = length // (2 * size)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+class _Gather:
+    """The group's shares of a tensor along one dimension, back in sequence order (differentiable)."""
+
+    def __init__(self, group: Any, size: int, order: torch.Tensor) -> None:
+        self.group, self.size = group, size
+        self.order = order
+        """Where each gathered position goes: the inverse of the concatenated shares."""
+
+    def __call__(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+
+        moved = t.movedim(dim, 0).contiguous()
+        whole = wait_tensor(all_gather_tensor_autograd(moved, 0, self.group))
+        return whole.index_select(0, self.order.to(whole.device)).movedim(0, dim)
+
+
+def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor) -> Callable[..., Any]:
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, **kwargs: Any) -> torch.Tensor:
+        if attn_mask is not None:
+            raise ParatrainError(
+                "context parallelism: an attention call passes its own mask (padding, or a causal mask the model "
+                "built for its share of positions), which paratrain cannot rewrite for the whole sequence; train "
+                "without padding masks (packed sequences), or drop 'cp' from the strategy")
+        if dropout_p:
+            raise ParatrainError("context parallelism: attention dropout would draw its mask per share, not as one "
+                                 "process draws it; set the attention dropout to 0 or drop 'cp'")
+        keys, values = gather(key, -2), gather(value, -2)
+        mask = None
+        if is_causal:
+            every = torch.arange(keys.shape[-2], device=query.device)
+            mask = every[None, :] <= positions.to(query.device)[:, None]
+        return original(query, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scale, **kwargs)
+
+    return attention
+
+
+class _HandWrittenAttention(TorchFunctionMode):
+    """Refuses a softmax over a square of the share's length: attention scores computed without SDPA."""
+
+    def __init__(self, local: int) -> None:
+        super().__init__()
+        self.local = local
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.softmax, F.softmax, torch.Tensor.softmax) and args:
+            t = args[0]
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == self.local:
+                raise ParatrainError(
+                    "context parallelism: the model computes attention by hand (a softmax over a "
+                    f"{self.local} x {self.local} score matrix), which would attend within each rank's share of the "
+                    "sequence only; use F.scaled_dot_product_attention (Hugging Face: attn_implementation='sdpa' or "
+                    "'eager' -> 'sdpa'), or drop 'cp' from the strategy")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _attending(gather: _Gather, positions: torch.Tensor, local: int, first: bool) -> Iterator[None]:
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _sdpa(original, gather, positions)  # type: ignore[assignment]
+    watch = _HandWrittenAttention(local) if first else contextlib.nullcontext()
+    try:
+        with watch:
+            yield
+    finally:
+        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+
+
+def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
+    """Make `model`'s forward run on this rank's share of each sequence (see the module docstring)."""
+    try:
+        accepts = "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if not accepts:
+        raise ParatrainError(
+            f"context parallelism: {type(model).__name__}.forward takes no position_ids, so its position embeddings "
+            "would number each rank's share of the sequence from 0; add a `position_ids=None` argument that, when "
+            "given, sets the positions its rotary or absolute embeddings use (Hugging Face models have one), or "
+            "drop 'cp' from the strategy")
+    inner, calls = model.forward, [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        found = [t for t in tensors_in((args, kwargs)) if t.dim() >= 2]
+        if not found:
+            raise ParatrainError("context parallelism: the model's inputs hold no tensor with a sequence dimension "
+                                 "(batch, sequence, ...) to share out")
+        length = found[0].shape[1]
+        mine = shares(length, size, rank)
+        every = torch.cat([shares(length, size, r) for r in range(size)])
+        gather = _Gather(group, size, torch.argsort(every))
+        cut = lambda t: t.index_select(1, mine.to(t.device)) if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
+        args, kwargs = map_tensors(cut, (args, kwargs))
+        kwargs.setdefault("position_ids", mine.to(found[0].device)[None, :].expand(found[0].shape[0], -1))
+        calls[0] += 1
+        with _attending(gather, mine, len(mine), calls[0] == 1):
+            out = inner(*args, **kwargs)
+        whole = lambda t: gather(t, 1) if t.dim() >= 2 and t.shape[1] == len(mine) else t  # noqa: E731
+        return map_tensors(whole, out)
+
+    _forwards.replace(model, forward, REASON)
+    return model

@@ -1,0 +1,99 @@
+"""Context parallelism against plain PyTorch (docs/parallelism.md, "Context parallelism").
+
+Each layout's run (tests/moe_worker.py) trains a user RoPE decoder with SDPA and Hugging Face Llama (its library's
+defaults: SDPA, the cache on) at sequence 64 for three SGD steps, each rank computing its load-balanced share of
+every sequence: losses and exported weights equal to one process's (1e-5). The shares and the refusals run here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import moe_cases as cases
+import pytest
+import torch
+from helpers import paratrain
+from torch import nn
+from torch.nn import functional as F
+
+from paratrain.errors import ParatrainError
+from paratrain.parallel import step_state
+from paratrain.parallel.context import apply_cp, shares
+from paratrain.parallel.dims import dims_for
+
+RUNS = (("cp", 2, ("rope", "llama")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
+        ("tp+cp", 4, ("llama",)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "world", "names"), RUNS, ids=[f"{r[0]}-{r[1]}" for r in RUNS])
+def test_context_parallel_layouts_match_plain_pytorch(layout: str, world: int, names: tuple[str, ...],
+                                                      tmp_path: Path) -> None:
+    import meta_cases
+
+    res = paratrain("run", "--nproc", str(world), "tests/moe_worker.py", layout, str(tmp_path), *names, timeout=240)
+    assert res.returncode == 0, res.stdout[-4000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    cp = dims_for(layout, world).cp
+    for rank in range(world):  # each rank's model saw its share of every sequence
+        seen = json.loads((tmp_path / f"held-{rank}.json").read_text())
+        assert all(seen[name]["tokens"] == [cases.LONG_SEQ // cp] for name in names), (rank, seen)
+    for name in names:
+        with step_state.using(step_state.StepState()):  # one process, outside any run an earlier test left active
+            ref, ref_losses = cases.plain(name)
+        assert losses[name] == pytest.approx(ref_losses, abs=1e-5), f"{name} under {layout}"
+        got = meta_cases.read_export(str(tmp_path / name))
+        worst = max((float((got[k] - ref[k]).abs().max()), k) for k in ref)
+        assert worst[0] < 1e-5, f"{name} under {layout} {world}: weights differ from the plain loop's: {worst}"
+
+
+def test_each_rank_holds_a_head_and_a_tail_chunk_of_every_sequence() -> None:
+    assert shares(8, 2, 0).tolist() == [0, 1, 6, 7] and shares(8, 2, 1).tolist() == [2, 3, 4, 5]
+    every = torch.cat([shares(64, 4, r) for r in range(4)])
+    assert sorted(every.tolist()) == list(range(64))  # every token once
+    work = [int(shares(64, 4, r).sum()) for r in range(4)]  # causal attention's cost grows with the position
+    assert len(set(work)) == 1, work
+    with pytest.raises(ParatrainError, match="multiple of 8"):
+        shares(60, 4, 0)
+
+
+class _NoPositions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids)
+
+
+class _ByHand(nn.Module):
+    def __init__(self, masked: bool = False) -> None:
+        super().__init__()
+        self.emb, self.masked = nn.Embedding(8, 8), masked
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.emb(ids)[:, None]
+        if self.masked:
+            mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).tril()
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+        return torch.softmax(x @ x.transpose(-1, -2), dim=-1) @ x
+
+
+def test_what_context_parallelism_cannot_make_exact_is_refused_by_name() -> None:
+    with pytest.raises(ParatrainError, match="_NoPositions.forward takes no position_ids"):
+        apply_cp(_NoPositions(), None, 2, 0)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ParatrainError, match="computes attention by hand"):
+        apply_cp(_ByHand(), None, 2, 0)(ids)
+    with pytest.raises(ParatrainError, match="passes its own mask"):
+        apply_cp(_ByHand(masked=True), None, 2, 0)(ids)
+
+
+def test_context_degrees_are_checked_with_their_arithmetic() -> None:
+    assert dims_for("cp", 4).cp == 4 and dims_for("fsdp+cp", 4).sizes() == {
+        "pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert dims_for("fsdp+cp", 4).data_shard(1) == (0, 2)  # the two ranks of a cp group load the same rows
+    with pytest.raises(ParatrainError, match="world 6 is not a multiple of tp 1 x pp 1 x cp 4 = 4"):
+        dims_for("fsdp+cp", 6, cp_size=4)
