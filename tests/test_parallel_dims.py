@@ -147,3 +147,26 @@ def test_plans_that_cannot_be_right_are_refused_by_name() -> None:
     with pytest.raises(ParatrainError, match="found no attention or MLP blocks"):
         find_plan(nn.Sequential(nn.Conv2d(3, 4, 3)), None)
     assert torch.is_tensor(mine.blocks[0].attn.wq.weight)
+
+
+def test_every_strategy_has_its_degrees_built_once_per_context() -> None:
+    import torch
+
+    from paratrain.config import make_config
+    from paratrain.parallel.dims import of_strategy
+    from paratrain.runtime import Placement
+    from paratrain.strategies import Context
+
+    def ctx(strategy: str, world: int, **options: object) -> Context:
+        return Context(config=make_config({"strategy": strategy, **options}),
+                       placement=Placement(world_size=world, local_world_size=world), device=torch.device("cpu"))
+
+    four = ctx("fsdp+ep", 4, ep_size=2)
+    assert four.dims is four.dims and (four.dims.dp_shard, four.dims.ep) == (4, 2)  # one object, not re-parsed
+    assert [of_strategy(ctx(name, 4).config, 4).sizes() for name in ("ddp", "fsdp", "pp")] == [
+        {"pp": 1, "dp_replicate": 4, "dp_shard": 1, "cp": 1, "tp": 1},
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1},
+        {"pp": 4, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}]
+    assert ctx("single", 1).dims.world == 1 and ctx("tp+cp", 4).dims.describe() == "cp 2 x tp 2"
+    with pytest.raises(ParatrainError, match="world 6 is not a multiple"):
+        _ = ctx("fsdp+tp", 6, tp_size=4).dims

@@ -16,6 +16,7 @@ from the replicas), the expert group innermost, so ranks that load different row
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -198,3 +199,21 @@ def _model_and_data(name: str, world: int, *, tp_size: int | None, pp_size: int 
                    "replica")
         raise ParatrainError(f"strategy {name!r} on world {world}: {got} ({dims.describe()}); {fix}")
     return dims
+
+
+PRESET_DIMS: dict[str, Callable[[int], ParallelDims]] = {
+    "single": lambda world: ParallelDims(), "dp": lambda world: ParallelDims(), "mp": lambda world: ParallelDims(),
+    "ddp+mp": lambda world: ParallelDims(dp_replicate=world), "ddp": lambda world: ParallelDims(dp_replicate=world),
+    "fsdp": lambda world: ParallelDims(dp_shard=world), "pp": lambda world: ParallelDims(pp=world)}
+"""The presets' degrees: one process's (`dp` and `mp` use several devices of one process, not ranks), or the whole
+world on their one axis. Their own `check` refuses a world they cannot run, naming the fix."""
+
+
+def of_strategy(config: Any, world: int) -> ParallelDims:
+    """Every strategy's degrees on `world` workers: a preset's, or the grammar's with the config's sizes (refused
+    with the arithmetic where they do not fit)."""
+    name = config.strategy
+    if name in PRESET_DIMS:
+        return PRESET_DIMS[name](world)
+    return dims_for(name, world, tp_size=config.tp_size, pp_size=config.pp_size, dp_replicate=config.dp_replicate,
+                    ep_size=config.ep_size, cp_size=config.cp_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..parallel.dims import ParallelDims, of_strategy
 from ..runtime import Placement
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -25,6 +27,12 @@ class Context:
     device: torch.device
     gpus: int = 0
     """CUDA GPUs visible to this process (read once, so checks are pure functions of the context)."""
+
+    @functools.cached_property
+    def dims(self) -> ParallelDims:
+        """The layout's degrees, built and validated once per context (`parallel.dims.of_strategy`): every part
+        that needs a degree asks here instead of reading the strategy's name again."""
+        return of_strategy(self.config, self.placement.world_size)
 
 
 class Strategy(Protocol):

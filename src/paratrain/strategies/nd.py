@@ -32,7 +32,7 @@ from ..errors import ParatrainError
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import average_gradients, evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
-from ..parallel.dims import ParallelDims, canonical, dims_for, parse
+from ..parallel.dims import ParallelDims, canonical, parse
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
 from ..weights.build import place
@@ -105,9 +105,7 @@ class NDStrategy:
         self.microbatched = self.scheduled = "pp" in self.axes
 
     def dims(self, ctx: Context) -> ParallelDims:
-        cfg = ctx.config
-        return dims_for(self.name, ctx.placement.world_size, tp_size=cfg.tp_size, pp_size=cfg.pp_size,
-                        dp_replicate=cfg.dp_replicate, ep_size=cfg.ep_size, cp_size=cfg.cp_size)
+        return ctx.dims  # built once per context, not parsed again at every micro-step
 
     def check(self, ctx: Context) -> None:
         dims = self.dims(ctx)
