@@ -418,6 +418,30 @@ def straggler_overhead() -> str:
         + "; ".join(windows) + "."])
 
 
+_EP_CP_MODELS = {"moe": "user MoE decoder (8 listed experts, top-2, width 128, sequence 64), global batch 64",
+                 "mixtral": "Hugging Face Mixtral (8 stacked experts, top-2, width 128, sequence 64), global batch 64",
+                 "long": "RoPE decoder with SDPA (width 128, sequence 256), global batch 8"}
+
+
+def ep_cp_overhead() -> str:
+    rel = _latest("ep-cp-overhead-*.json")
+    d = _load(rel)
+    rows = []
+    for r in d["results"]:
+        ratio = _ratio(r["ratio"], r["ratio_ci"], r["rounds"])
+        med = r["median_step_s"]
+        rows.append([f"`{r['layout']} 2` / `{r['baseline']} 2`", _EP_CP_MODELS.get(r["model"], r["model"]),
+                     f"{1000 * med[r['baseline']]:.1f} ms", f"{1000 * med[r['layout']]:.1f} ms",
+                     stats.verdict(ratio)])
+    load = ", ".join(f"{x:.1f}" for x in d["load_average"])
+    return "\n".join([
+        f"`python benchmarks/ep_cp_overhead.py` at {d['created']}: {d['cpus']} cores; load average {load} (1, 5, 15 "
+        f"min) at the end; {d['results'][0]['rounds']} rounds A B B A of one `paratrain run` per side, "
+        f"{d['results'][0]['steps_per_round']} timed steps each.",
+        f"Source: {_source(rel)}.", "",
+        *_table(["layout", "model", "step, baseline", "step", "ratio (median of the rounds' paired ratios)"], rows)])
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "make-bench": make_bench,
     "fault-recovery": fault_recovery,
@@ -431,6 +455,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "auto-choice": auto_choice,
     "stream-throughput": stream_throughput,
     "straggler-overhead": straggler_overhead,
+    "ep-cp-overhead": ep_cp_overhead,
 }
 
 
