@@ -32,8 +32,6 @@ from . import lora, safetensors_format
 from .files import INDEX, SINGLE
 from .names import saved_names
 
-PREFIX = ".export-part-"
-
 
 def _writes(t: torch.Tensor) -> bool:
     """This rank may write the tensor: it holds it whole, or is the first of the ranks sharing it."""
@@ -58,24 +56,45 @@ def _files(specs: list[tuple[str, tuple[torch.Size, torch.dtype]]],
     return [f for f in files if f]
 
 
-class _Walk:
-    """Every tensor this rank holds made whole in turn (a collective among the ranks sharing it, so all of them walk
-    the same order), kept only while the file being written takes it."""
+def _offered(mine: list[tuple[str, torch.Tensor]], extra: Any = None) -> tuple[
+        list[Any], dict[str, tuple[torch.Size, torch.dtype]], dict[str, int]]:
+    """Collective: every rank's `extra`, every tensor's shape and dtype, and the rank that writes each tensor that
+    one rank writes whole (the first offering it)."""
+    offers = _gather((extra, [(n, tuple(t.shape), t.dtype, _writes(t)) for n, t in mine]))
+    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    writer: dict[str, int] = {}
+    for r, (_, offered) in enumerate(offers):
+        for name, shape, dtype, ok in offered:
+            specs.setdefault(name, (torch.Size(shape), dtype))
+            if ok:
+                writer.setdefault(name, r)
+    return [e for e, _ in offers], specs, writer
 
-    def __init__(self, mine: list[tuple[str, torch.Tensor]]) -> None:
-        self._rest = iter(mine)
 
-    def until(self, name: str) -> torch.Tensor:
-        for held, t in self._rest:
-            whole = t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[operator]
-            if held == name:
-                return whole  # type: ignore[no-any-return]
-        raise KeyError(name)
-
-    def finish(self) -> None:
-        for _, t in self._rest:
-            if hasattr(t, "full_tensor"):
-                t.full_tensor()  # type: ignore[operator]
+def _write_in_place(folder: Path, files: list[tuple[str, list[tuple[str, torch.Size, torch.dtype]]]],
+                    mine: list[tuple[str, torch.Tensor]], writer: dict[str, int], rank: int) -> None:
+    """Collective: rank 0 writes each file's header and sizes it, then every rank writes its blocks where they lie."""
+    start: dict[str, tuple[str, int]] = {}
+    for title, members in files:
+        head, starts, size = safetensors_format.layout(members)
+        start.update({n: (title, starts[n]) for n, _, _ in members})
+        if rank == 0:
+            with open(folder / title, "wb") as f:
+                f.write(head)
+                f.truncate(size)
+    collectives.barrier()  # every file exists at its size: each rank writes its pieces into them
+    handles: dict[str, int] = {}
+    try:
+        with torch.no_grad():
+            for name, t in mine:
+                title, offset = start[name]
+                if title not in handles:
+                    handles[title] = os.open(folder / title, os.O_WRONLY)
+                _write(handles[title], offset, t, writer.get(name) == rank)
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    collectives.barrier()
 
 
 def export(held: nn.Module, original: nn.Module, path: str | os.PathLike[str], rank: int,
@@ -98,44 +117,16 @@ def export(held: nn.Module, original: nn.Module, path: str | os.PathLike[str], r
     mine.sort(key=lambda item: order.get(item[0], len(order)))
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.glob("*.safetensors"):
-            if old.name.startswith(("model", PREFIX)):
-                old.unlink()
+        for old in folder.glob("model*.safetensors"):
+            old.unlink()
         (folder / INDEX).unlink(missing_ok=True)
-    offers = _gather((list(order), [(n, tuple(t.shape), t.dtype, _writes(t)) for n, t in mine]))
-    order = {name: i for i, name in enumerate(_merged([names for names, _ in offers]))}
-    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
-    writer: dict[str, int] = {}
-    for r, (_, offered) in enumerate(offers):
-        for name, shape, dtype, ok in offered:
-            specs.setdefault(name, (torch.Size(shape), dtype))
-            if ok:
-                writer.setdefault(name, r)
+    orders, specs, writer = _offered(mine, list(order))
+    order = {name: i for i, name in enumerate(_merged(orders))}
     names = sorted(specs, key=lambda n: order.get(n, len(order)))
     files = _files([(n, specs[n]) for n in names], max_shard_bytes)
     titles = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                                for i in range(len(files))]
-    start: dict[str, tuple[str, int]] = {}
-    for title, members in zip(titles, files):
-        head, starts, size = safetensors_format.layout(members)
-        start.update({n: (title, starts[n]) for n, _, _ in members})
-        if rank == 0:
-            with open(folder / title, "wb") as f:
-                f.write(head)
-                f.truncate(size)
-    collectives.barrier()  # every file exists at its size: each rank writes its pieces into them
-    handles: dict[str, int] = {}
-    try:
-        with torch.no_grad():
-            for name, t in mine:
-                title, offset = start[name]
-                if title not in handles:
-                    handles[title] = os.open(folder / title, os.O_WRONLY)
-                _write(handles[title], offset, name, t, writer[name] == rank)
-    finally:
-        for fd in handles.values():
-            os.close(fd)
-    collectives.barrier()
+    _write_in_place(folder, list(zip(titles, files)), mine, writer, rank)
     if rank == 0:
         if len(files) > 1:
             _index(folder, titles, files, order)
@@ -160,7 +151,7 @@ def _merged(orders: list[list[str]]) -> list[str]:
     return merged
 
 
-def _write(fd: int, offset: int, name: str, t: torch.Tensor, writes_whole: bool) -> None:
+def _write(fd: int, offset: int, t: torch.Tensor, writes_whole: bool) -> None:
     """This rank's part of one tensor into its file: a DTensor's blocks where they lie in the whole (a plain split's
     one block, a strided split's several; one copy of a replicated block); any other tensor whole, by its one
     writer. No collective."""
@@ -233,48 +224,14 @@ def _export_adapters(held: nn.Module, original: nn.Module, root: tuple[str, nn.M
 
 def _export_adapter(tensors: dict[str, torch.Tensor], keys: list[tuple[str, str]], out: Path, rank: int,
                     adapter: str) -> None:
-    """One adapter's tensors (`keys`: peft's key, the tensor's name in `tensors`, this rank's part of the model),
-    made whole one at a time as for the whole model and written by a rank holding each into a part; rank 0 then
-    joins the parts into the one file peft reads (adapters are small), in peft's order."""
+    """One adapter's tensors (`keys`: peft's key, the tensor's name in `tensors`, this rank's part of the model)
+    in the one file peft reads, in peft's order, each rank writing its blocks in place as for the whole model."""
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        for old in out.glob(f"{PREFIX}*.safetensors"):
-            old.unlink()
-    collectives.barrier()
-    mine = [(name, tensors[name]) for _, name in keys if name in tensors]
-    offers = _gather([(n, _writes(t)) for n, t in mine])
-    writer: dict[str, int] = {}
-    for r, offered in enumerate(offers):
-        for name, ok in offered:
-            if ok:
-                writer.setdefault(name, r)
-    unheld = [key for key, name in keys if name not in writer]
+    mine = [(key, tensors[name]) for key, name in keys if name in tensors]
+    _, specs, writer = _offered(mine)
+    unheld = [key for key, _ in keys if key not in specs]
     if unheld:  # every rank sees the same gathered offers: all raise
         raise ParatrainError(f"run.export: no rank holds {unheld[:4]} of adapter {adapter!r}")
-    key_of = {name: key for key, name in keys}
-    name_of = {key: name for key, name in keys}
-    walk = _Walk(mine)
-    part = f"{PREFIX}{rank:05d}.safetensors"
-    specs = [(key_of[n], t.shape, t.dtype) for n, t in mine if writer[n] == rank]
-    with torch.no_grad():
-        if specs:
-            safetensors_format.write(out / part, specs, lambda key: walk.until(name_of[key]))
-        walk.finish()
-    parts = _gather(part if specs else None)
-    if rank == 0:
-        _join(out, [p for p in parts if p is not None], [key for key, _ in keys])
-
-
-def _join(out: Path, parts: list[str], order: list[str]) -> None:
-    """The parts' tensors in one `adapter_model.safetensors`, in `order`, read and written one at a time."""
-    where: dict[str, tuple[Path, safetensors_format.Entry]] = {}
-    for part in parts:
-        entries, _, _ = safetensors_format.read_header(out / part)
-        where.update({key: (out / part, entry) for key, entry in entries.items()})
-    specs = [(key, torch.Size(where[key][1].shape), safetensors_format.DTYPES[where[key][1].dtype]) for key in order]
-    final = out / lora.ADAPTER_FILE
-    temporary = out / f"{PREFIX}joined.safetensors"
-    safetensors_format.write(temporary, specs, lambda key: safetensors_format.read(*where[key]))
-    os.replace(temporary, final)
-    for part in parts:
-        (out / part).unlink()
+    members = [(key, *specs[key]) for key, _ in keys]
+    _write_in_place(out, [(lora.ADAPTER_FILE, members)], mine, writer, rank)

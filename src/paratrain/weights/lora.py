@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +109,7 @@ class LoraInit:
             if not isinstance(module, kind) or name not in configs:
                 continue
             self.layers[name] = (module, configs[name])
-            for attr in module.adapter_layer_names:
-                holder = module._modules.get(attr)
-                if holder is None:
-                    continue
-                at = f"{name}.{attr}" if name else attr
+            for attr, holder, at in _holders(module, name):
                 if isinstance(holder, nn.ModuleDict):
                     for adapter in holder:
                         self.owners[f"{at}.{adapter}"] = (name, attr, adapter)
@@ -140,11 +136,7 @@ class LoraInit:
             _check_computable(path, attr, a, configs)
         twin = copy.copy(layer)  # the layer's own attributes (r, scaling, lora_bias), its adapter modules shadows
         twin._modules = dict(layer._modules)
-        for name in layer.adapter_layer_names:
-            holder = layer._modules.get(name)
-            if holder is None:
-                continue
-            at = f"{layer_name}.{name}" if layer_name else name
+        for name, holder, at in _holders(layer, layer_name):
             if isinstance(holder, nn.ModuleDict):
                 entries = copy.copy(holder)
                 entries._modules = dict(holder._modules)
@@ -160,6 +152,14 @@ class LoraInit:
                 twin.reset_lora_parameters(a, configs[a].init_lora_weights)  # type: ignore[operator]
 
         return run
+
+
+def _holders(layer: Any, name: str) -> Iterator[tuple[str, nn.Module, str]]:
+    """A LoRA layer's children that hold adapters: (attribute, the child, its module name)."""
+    for attr in layer.adapter_layer_names:
+        holder = layer._modules.get(attr)
+        if holder is not None:
+            yield attr, holder, f"{name}.{attr}" if name else attr
 
 
 def _check_computable(path: str, attr: str, adapter: str, configs: dict[str, Any]) -> None:

@@ -127,20 +127,15 @@ def write(file: Path, specs: Iterable[tuple[str, torch.Size, torch.dtype]],
           values: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> int:
     """Write a file whose tensors are `specs` (name, shape, dtype), asking `values(name)` for each in that order,
     after the header, one at a time. Returns the bytes of tensor data written."""
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    order = []
-    for name, shape, dtype in specs:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        order.append(name)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    specs = list(specs)
+    head, starts, size = layout(specs, metadata)
     with open(file, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for name in order:
-            data = values(name).detach().to("cpu").contiguous()  # kept alive while its bytes are written
-            f.write(_bytes_of(data))
-    return offset
+        f.write(head)
+        f.truncate(size)
+    fd = os.open(file, os.O_WRONLY)
+    try:
+        for name, shape, _ in specs:
+            write_piece(fd, starts[name], shape, values(name), [0] * len(shape))
+    finally:
+        os.close(fd)
+    return size - len(head)
