@@ -245,6 +245,8 @@ def nd_overhead() -> str:
              f"{x['ratio_ci95'][0]:.3f}-{x['ratio_ci95'][1]:.3f}"] for x in d["layouts"]]
     more = []
     for extra in sorted(RESULTS.glob("nd-overhead-*.json"), key=lambda p: json.loads(p.read_text())["created"]):
+        if extra.name.startswith(EP_CP_TWINS):
+            continue  # layouts of their own table (nd_overhead_ep_cp)
         e = json.loads(extra.read_text())
         for x in e["layouts"]:
             more.append(f"`{x['strategy']}` {x['ratio_of_medians']:.3f} (paired {x['median_paired_ratio']:.3f}, "
@@ -258,6 +260,36 @@ def nd_overhead() -> str:
         *_table(["layout", "workers", "paratrain s", "hand-written s", "ratio of medians", "median paired ratio",
                  "95% interval"], rows, right=6),
         *(["", "Runs of one layout beside it: " + "; ".join(more) + "."] if more else [])])
+
+
+EP_CP_TWINS = "nd-overhead-ep-cp-"
+"""Runs of `nd_overhead.py --layouts ep:2,cp:2,ep:2:mixtral`: expert and context parallelism beside their
+hand-written twins."""
+_TWIN_WORKLOADS = {"gpt-moe": "GPT, 8 listed experts top-2 per block", "gpt-long": "GPT, 1,024 tokens a sequence",
+                   "mixtral": "Hugging Face Mixtral, 8 grouped experts top-2, width 128, on gpt-moe's batches"}
+
+
+def nd_overhead_ep_cp() -> str:
+    rel = _latest(f"{EP_CP_TWINS}*.json")
+    d = _load(rel)
+    rows = []
+    for x in d["layouts"]:
+        paired = _ratio(x["median_paired_ratio"], x["paired_ci95"], x["steps"])
+        name = x["workload"].split()[0]
+        rows.append([f"`{x['strategy']}`", str(x["workers"]), f"`{x['workload']}`: {_TWIN_WORKLOADS.get(name, name)}",
+                     f"`{x['reference']}`",
+                     f"{x['paratrain_median_s']:.4f}", f"{x['reference_median_s']:.4f}",
+                     f"{x['ratio_of_medians']:.3f} ({x['ratio_ci95'][0]:.3f}-{x['ratio_ci95'][1]:.3f})",
+                     stats.verdict(paired)])
+    load = ", ".join(f"{v:.1f}" for v in d["load_average"])
+    return "\n".join([
+        f"`python benchmarks/nd_overhead.py --layouts ep:2,cp:2,ep:2:mixtral` at {d['created']}: global batch 8, SGD, "
+        f"{d['cores']} "
+        f"cores (load average {load} at the end), torch {d['torch']}; {d['layouts'][0]['steps']} steps a side, "
+        "alternated A B B A in the same workers, each timed alone.",
+        f"Source: {_source(rel)}.", "",
+        *_table(["layout", "workers", "workload", "hand-written twin", "paratrain s", "hand-written s",
+                 "ratio of medians (95% interval)", "median paired ratio"], rows, right=4)])
 
 
 # ---- J: compile on CPU ----------------------------------------------------------------------------------------
@@ -449,6 +481,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu-gpt": gpu_gpt,
     "limits": limits,
     "nd-overhead": nd_overhead,
+    "nd-overhead-ep-cp": nd_overhead_ep_cp,
     "compile-cpu": compile_cpu,
     "bench-plan": bench_plan,
     "gpu-compile": gpu_compile,

@@ -9,7 +9,13 @@ sides within a second. Reported per layout: each side's median step, the ratio o
 the median of the paired ratios (each paratrain step over the reference step beside it), each with its 95%
 bootstrap interval and the verdict `paratrain bench` prints (`paratrain.measure.stats`).
 
+Expert and context parallelism run on workloads of their own (`WORKLOAD`): `ep` on `gpt-moe` (8 listed experts,
+top-2, per block) beside `torch-ep`, `cp` on `gpt-long` (1,024 tokens a sequence) beside `torch-cp`
+(`bench/references_ep_cp.py`); `ep:2:mixtral` times Hugging Face Mixtral's grouped experts (a tiny config, 8
+experts, top-2, on gpt-moe's batches) beside the same `torch-ep`.
+
     python benchmarks/nd_overhead.py benchmarks/results/nd-overhead.json            # the gpt workload, mini
+    python benchmarks/nd_overhead.py OUT --layouts ep:2,cp:2,ep:2:mixtral             # STRATEGY:WORKERS[:WORKLOAD]
     python benchmarks/nd_overhead.py OUT --steps 10 --size tiny                        # a smoke run
 """
 
@@ -30,20 +36,51 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _emit import emit  # noqa: E402
 
 LAYOUTS = (("fsdp", 2), ("tp", 2), ("fsdp+tp", 4), ("tp+pp", 4), ("ddp+pp", 4), ("fsdp+pp", 4))
-"""(strategy, workers): the layouts of the N-D issue's benchmark, at the fewest workers each runs on."""
+"""(strategy, workers): the layouts of the N-D issue's benchmark, at the fewest workers each runs on (the default)."""
+WORKLOAD = {"ep": "gpt-moe", "cp": "gpt-long"}
+"""The workload of a layout that needs one of its own (experts to share out, long sequences); the others time gpt."""
 
 
-def _pair(strategy: str, workers: int, size: str, steps: int, microbatches: int) -> dict[str, Any]:
+class _Logits(torch.nn.Module):
+    """A Hugging Face causal LM as a module from token ids to logits, as the workloads' models are."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids).logits  # type: ignore[no-any-return]
+
+
+def _workload(name: str, size: str) -> Any:
+    """A workload by name; `mixtral`: Hugging Face Mixtral at width 128 (2 layers, 8 grouped experts, top-2, its
+    defaults otherwise) on the token batches of gpt-moe at `size`."""
+    from dataclasses import replace
+
+    from paratrain.measure import workloads
+
+    if name != "mixtral":
+        return workloads.get(name, gpt_size=size)
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    batches = workloads.get("gpt-moe", gpt_size=size)
+    config = tf.MixtralConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=batches.tokens,
+                              num_local_experts=8, num_experts_per_tok=2)
+    return replace(batches, name="mixtral", model=lambda: _Logits(tf.MixtralForCausalLM(config)))
+
+
+def _pair(strategy: str, workers: int, workload: str, size: str, steps: int, microbatches: int) -> dict[str, Any]:
     """In each worker: both sides built, warmed up, then `steps` alternated steps each (the slowest rank's times)."""
     import torch.distributed as dist
 
     from paratrain.bench import jobs, references, worker
-    from paratrain.measure import workloads
     from paratrain.measure.timing import time_steps
 
-    settings = jobs.Settings(workload="gpt", gpt_size=size, batch=8, steps=1, warmup=0, repeat=1, schedule="1f1b")
+    settings = jobs.Settings(workload=workload, gpt_size=size, batch=8, steps=1, warmup=0, repeat=1, schedule="1f1b")
     worker._init_group(jobs.Job(workers, (), strategy), settings)
-    w = workloads.get("gpt", gpt_size=size)
+    w = _workload(workload, size)
     pipelined = "pp" in strategy.split("+")
     ref = jobs.REFERENCE[strategy]
     m, schedule = (microbatches, "1f1b") if pipelined else (None, None)
@@ -66,21 +103,26 @@ def _pair(strategy: str, workers: int, size: str, steps: int, microbatches: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?")
-    parser.add_argument("--size", default="mini")
+    parser.add_argument("--size", default="mini", help="size of the gpt workload")
+    parser.add_argument("--moe-size", default="moe", help="size of gpt-moe (ep)")
+    parser.add_argument("--long-size", default="long", help="size of gpt-long (cp)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--layouts", default=",".join(f"{s}:{w}" for s, w in LAYOUTS))
     args = parser.parse_args()
     sys.argv = [sys.argv[0], *([args.out] if args.out else [])]  # _emit reads the output path from argv
+    sizes = {"gpt": args.size, "gpt-moe": args.moe_size, "gpt-long": args.long_size, "mixtral": args.moe_size}
     rows = []
     for item in args.layouts.split(","):
-        strategy, workers = item.rsplit(":", 1)
-        got = paratrain.launch(_pair, strategy, int(workers), args.size, args.steps, args.microbatches,
-                               nproc=int(workers), timeout=900, accelerator="cpu")
+        strategy, workers, *named = item.split(":")
+        workload = named[0] if named else WORKLOAD.get(strategy, "gpt")
+        got = paratrain.launch(_pair, strategy, int(workers), workload, sizes[workload], args.steps,
+                               args.microbatches, nproc=int(workers), timeout=900, accelerator="cpu")
         ours, theirs = got["times"]["paratrain"], got["times"]["hand-written"]
         of_medians = stats.ratio_of_medians(ours, theirs, paired=True)  # the steps resampled in their pairs
         paired = stats.paired_ratio(ours, theirs)
-        row = {"strategy": strategy, "workers": int(workers), "reference": got["reference"],
+        row = {"strategy": strategy, "workers": int(workers), "workload": f"{workload} {sizes[workload]}",
+               "reference": got["reference"],
                "paratrain_median_s": statistics.median(ours), "reference_median_s": statistics.median(theirs),
                "ratio_of_medians": of_medians.value, "median_paired_ratio": paired.value,
                "ratio_ci95": of_medians.interval, "paired_ci95": paired.interval, "verdict": stats.verdict(paired),
@@ -89,8 +131,10 @@ def main() -> None:
         print(f"{strategy:>8} x{workers}: paratrain {row['paratrain_median_s']:.4f} s, {row['reference']} "
               f"{row['reference_median_s']:.4f} s, ratio of medians {of_medians.text()}; paired: {row['verdict']}",
               file=sys.stderr, flush=True)
-    emit({"workload": f"gpt {args.size}, global batch 8, SGD", "microbatches": args.microbatches,
-          "schedule": "1f1b", "torch": torch.__version__, "cores": os.cpu_count(), "layouts": rows})
+    timed = ", ".join(dict.fromkeys(row["workload"] for row in rows))
+    emit({"workload": f"{timed}, global batch 8, SGD", "microbatches": args.microbatches,
+          "schedule": "1f1b", "torch": torch.__version__, "cores": os.cpu_count(), "load_average": os.getloadavg(),
+          "layouts": rows})
 
 
 if __name__ == "__main__":

@@ -90,3 +90,35 @@ def test_selective_checkpointing_and_a_split_backward_do_not_combine() -> None:
     assert "zero-bubble" not in schedules.auto_names(1, checkpointing="selective")
     with pytest.raises(paratrain.ParatrainError, match="unknown activation_checkpointing 'some'"):
         paratrain.setup(strategy="single", activation_checkpointing="some")
+
+
+def test_selective_checkpointing_trains_hugging_face_models_with_their_default_cache() -> None:
+    """Mixtral and Llama as transformers builds them (`use_cache=True`): each layer appends to the cache, so a
+    selective recomputation met a grown cache and torch failed ("aten.slice.Tensor invocation index 4 ... not found
+    in storage"). Their training forwards now run without it: gradients equal the plain model's bit for bit, the
+    config keeps its cache, and an evaluation forward still returns one."""
+    import moe_cases as cases
+
+    from paratrain.parallel.activation_checkpoint import without_cache
+
+    for name in ("mixtral", "llama"):
+        inputs, _ = cases.data(name)
+        plain = cases.build(name)
+        plain(inputs[:4]).logits.square().mean().backward()
+        model = cases.build(name)
+        assert model.config.use_cache
+        run = paratrain.setup(strategy="single", seed=0, accelerator="cpu", activation_checkpointing="selective")
+        try:
+            prepared = run.prepare(model)
+            prepared(inputs[:4]).logits.square().mean().backward()
+            assert model.config.use_cache, name
+            got = dict(model.named_parameters())
+            assert all(torch.equal(p.grad, got[k].grad) for k, p in plain.named_parameters()), name
+            prepared.eval()
+            with torch.no_grad():
+                assert prepared(inputs[:4]).past_key_values is not None, name
+        finally:
+            run.close()
+    with pytest.raises(paratrain.ParatrainError, match="context parallelism: .*use activation_checkpointing='full'"):
+        without_cache(cases.build("llama"), "selective", shared_sequences=True)
+    assert not without_cache(cases.build("llama"), "full", shared_sequences=True)  # full is exact with the cache

@@ -83,7 +83,7 @@ def test_predictions_are_paired_with_the_runs_that_measured_them() -> None:
 def test_bad_plan_flags_fail_fast_naming_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = tmp_path / "two.json"
     spec.write_text(json.dumps(TWO_CORES))
-    assert cli_main(["bench", "--plan", "--strategies", "ddp,ddp+fsdp"]) == 2
+    assert cli_main(["bench", "--plan", "--strategies", "ddp,dp"]) == 2  # any name of the grammar is planned
     assert "planner predicts" in capsys.readouterr().err
     assert cli_main(["bench", "--plan", "--microbatches", "2"]) == 2
     assert "drop --microbatches" in capsys.readouterr().err

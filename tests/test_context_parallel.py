@@ -13,7 +13,7 @@ from pathlib import Path
 import moe_cases as cases
 import pytest
 import torch
-from helpers import paratrain
+from helpers import cli_env, paratrain
 from torch import nn
 from torch.nn import functional as F
 
@@ -24,6 +24,9 @@ from paratrain.parallel.dims import dims_for
 
 RUNS = (("cp", 2, ("rope", "llama")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
         ("tp+cp", 4, ("llama",)))
+CHECKPOINTED = {"fsdp+cp": "full"}
+"""Runs with activation checkpointing after the context step: the recomputation in the backward attends over the
+gathered keys and values again, as the forward did."""
 
 
 @pytest.mark.slow
@@ -33,7 +36,8 @@ def test_context_parallel_layouts_match_plain_pytorch(layout: str, world: int, n
                                                       tmp_path: Path) -> None:
     import meta_cases
 
-    res = paratrain("run", "--nproc", str(world), "tests/moe_worker.py", layout, str(tmp_path), *names, timeout=240)
+    res = paratrain("run", "--nproc", str(world), "tests/moe_worker.py", layout, str(tmp_path), *names, timeout=240,
+                    env=cli_env(MOE_CHECKPOINTING=CHECKPOINTED.get(layout, "none")))
     assert res.returncode == 0, res.stdout[-4000:]
     losses = json.loads((tmp_path / "losses.json").read_text())
     cp = dims_for(layout, world).cp
@@ -97,3 +101,25 @@ def test_context_degrees_are_checked_with_their_arithmetic() -> None:
     assert dims_for("fsdp+cp", 4).data_shard(1) == (0, 2)  # the two ranks of a cp group load the same rows
     with pytest.raises(ParatrainError, match="world 6 is not a multiple of tp 1 x pp 1 x cp 4 = 4"):
         dims_for("fsdp+cp", 6, cp_size=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout(tmp_path: Path) -> None:
+    """Saved after one step of Llama under `fsdp+cp 4` (weights sharded over dp_shard x cp), resumed under `cp 2`:
+    the rest of the epoch lands on the uninterrupted run's losses and weights."""
+    import meta_cases
+
+    first = paratrain("run", "--nproc", "4", "tests/moe_worker.py", "fsdp+cp", str(tmp_path / "a"), "llama",
+                      timeout=240, env=cli_env(MOE_SAVE=str(tmp_path / "ck")))
+    assert first.returncode == 0, first.stdout[-4000:]
+    step = next((tmp_path / "ck").glob("step-*"))
+    rest = paratrain("run", "--nproc", "2", "tests/moe_worker.py", "cp", str(tmp_path / "b"), "llama", timeout=240,
+                     env=cli_env(MOE_RESUME=str(step)))
+    assert rest.returncode == 0, rest.stdout[-4000:]
+    with step_state.using(step_state.StepState()):
+        ref, ref_losses = cases.plain("llama")
+    assert json.loads((tmp_path / "b" / "losses.json").read_text())["llama"] == pytest.approx(ref_losses[1:], abs=1e-5)
+    got = meta_cases.read_export(str(tmp_path / "b" / "llama"))
+    worst = max((float((got[k] - ref[k]).abs().max()), k) for k in ref)
+    assert worst[0] < 1e-5, f"llama saved under fsdp+cp 4, resumed under cp 2: {worst}"

@@ -26,8 +26,14 @@ from paratrain.parallel.expert.apply import Groups, apply_ep
 RUNS = (("ep", 2, ("user", "mixtral", "qwen2_moe", "user-aux-global", "mixtral-aux", "user-clip"), 2),
         ("fsdp+ep", 4, ("user", "mixtral", "mixtral-aux"), 4),
         ("fsdp+ep:2", 4, ("user-aux-global", "qwen2_moe", "user-clip", "mixtral-clip"), 2),
-        ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1))
-"""(layout[:ep_size], world, models, ranks of one expert group: each holds EXPERTS / that many experts)."""
+        ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1),
+        ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip"), 2))
+"""(layout[:ep_size], world, models, ranks of one expert group: each holds EXPERTS / that many experts). Under
+`fsdp+tp+ep` the attention is split over the tensor ranks and the experts over the expert ranks (the library's
+plan without its expert entries); the two ranks of a tensor group hold the same experts."""
+CHECKPOINTED = {"fsdp+ep:2": "selective", "fsdp+tp+ep": "full"}
+"""Runs with activation checkpointing, applied after the expert step (`parallel.parallelize`): the recomputation
+dispatches the tokens again; under "selective" Hugging Face's default cache is off in training forwards."""
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,8 @@ def test_moe_layouts_match_plain_pytorch(layout: str, world: int, names: tuple[s
                                          plain: dict, tmp_path: Path) -> None:
     import meta_cases
 
-    res = paratrain("run", "--nproc", str(world), "tests/moe_worker.py", layout, str(tmp_path), *names, timeout=240)
+    res = paratrain("run", "--nproc", str(world), "tests/moe_worker.py", layout, str(tmp_path), *names, timeout=240,
+                    env=cli_env(MOE_CHECKPOINTING=CHECKPOINTED.get(layout, "none")))
     assert res.returncode == 0, res.stdout[-4000:]
     losses = json.loads((tmp_path / "losses.json").read_text())
     held = [json.loads((tmp_path / f"held-{rank}.json").read_text()) for rank in range(world)]
@@ -57,7 +64,8 @@ def test_moe_layouts_match_plain_pytorch(layout: str, world: int, names: tuple[s
         for path in set(held[0][name]) - {"tokens"}:
             shares = [h[name][path] for h in held]
             assert all(len(s) == cases.EXPERTS // group for s in shares), f"{name} {path}: {shares}"
-            assert sorted(e for s in shares[:group] for e in s) == list(range(cases.EXPERTS)), shares
+            distinct = {tuple(s) for s in shares}  # one expert group's shares, repeated by replicas and tensor ranks
+            assert len(distinct) == group and sorted(e for s in distinct for e in s) == list(range(cases.EXPERTS))
 
 
 def test_an_auxiliary_loss_over_one_ranks_tokens_is_refused_by_name() -> None:
@@ -86,6 +94,18 @@ def test_expert_parallel_refuses_what_it_cannot_split() -> None:
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     with pytest.raises(ParatrainError, match="no mixture-of-experts layer.*drop 'ep'"):
         apply_ep(dense, groups)
+
+
+def test_expert_parallelism_with_a_pipeline_or_context_axis_is_refused_by_name() -> None:
+    from paratrain.config import make_config
+    from paratrain.runtime import Placement
+    from paratrain.strategies import Context, get
+
+    for name, world in (("ddp+ep+pp", 4), ("ep+cp", 4)):
+        ctx = Context(config=make_config({"strategy": name}), device=torch.device("cpu"),
+                      placement=Placement(world_size=world, local_world_size=world))
+        with pytest.raises(ParatrainError, match="with cp or pp it is not built: drop 'ep', or drop 'cp'/'pp'"):
+            get(name).check(ctx)
 
 
 def test_expert_degrees_are_checked_with_their_arithmetic() -> None:

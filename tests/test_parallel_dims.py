@@ -153,7 +153,6 @@ def test_every_strategy_has_its_degrees_built_once_per_context() -> None:
     import torch
 
     from paratrain.config import make_config
-    from paratrain.parallel.dims import of_strategy
     from paratrain.runtime import Placement
     from paratrain.strategies import Context
 
@@ -163,10 +162,18 @@ def test_every_strategy_has_its_degrees_built_once_per_context() -> None:
 
     four = ctx("fsdp+ep", 4, ep_size=2)
     assert four.dims is four.dims and (four.dims.dp_shard, four.dims.ep) == (4, 2)  # one object, not re-parsed
-    assert [of_strategy(ctx(name, 4).config, 4).sizes() for name in ("ddp", "fsdp", "pp")] == [
+    assert [ctx(name, 4).dims.sizes() for name in ("ddp", "fsdp", "pp")] == [
         {"pp": 1, "dp_replicate": 4, "dp_shard": 1, "cp": 1, "tp": 1},
         {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1},
         {"pp": 4, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1}]
     assert ctx("single", 1).dims.world == 1 and ctx("tp+cp", 4).dims.describe() == "cp 2 x tp 2"
     with pytest.raises(ParatrainError, match="world 6 is not a multiple"):
         _ = ctx("fsdp+tp", 6, tp_size=4).dims
+
+
+def test_ranks_loading_different_rows_are_grouped_by_arithmetic() -> None:
+    """The router statistics' data-parallel groups come from the degrees alone (no collective to find them)."""
+    assert dims_for("ddp", 4).replica_groups() == ((0, 1, 2, 3),)
+    assert dims_for("fsdp+tp", 4).replica_groups() == ((0, 2), (1, 3))
+    assert dims_for("ddp+tp+pp", 8, pp_size=2).replica_groups() == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert dims_for("fsdp+cp", 4).replica_groups() == ((0, 2), (1, 3))

@@ -57,7 +57,7 @@ def test_validate_runs_layouts_here_and_writes_validation_json(tmp_path: Path,
     assert "meas. / round single (95% CI)" in text
     local = json.loads((out / "cluster-local.json").read_text())
     assert local["measured_here"] and local["kind"] == "cpu" and set(local["collectives"]) == {
-        "all_reduce", "all_gather", "reduce_scatter", "p2p"}
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     # DTensor's and FSDP2's own costs were measured. DTensor's is a difference of three timings clamped at zero, which
     # the other test process's load can take to zero (seen once in CI): measured, not asserted positive. FSDP's is
     # milliseconds a unit, ten times the noise; a line through two noisy points, so it is read where it was measured

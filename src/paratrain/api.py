@@ -27,8 +27,6 @@ from .errors import ParatrainError
 from .faults import StopRequest, Watch
 from .memstats import give_back_freed
 from .observe import Breakdown, MetricLog, StragglerWatch
-from .parallel import activation_checkpoint
-from .parallel import compile as compile_blocks
 from .parallel.expert.router_stats import Rows
 from .parallel.expert.router_stats import install as watch_router_statistics
 from .parallel.microbatch import batch_size
@@ -153,13 +151,8 @@ class Run:
         apply_layout_dropout(model)
         replica, replicas = self.strategy.data_shard(self.ctx)  # what a forward sees, for router statistics
         parts = self.config.grad_accum * (2 if self.strategy.microbatched else 1)
-        self.step.state.rows = Rows(replica, replicas, parts)
+        self.step.state.rows = Rows(replica, replicas, parts, self.ctx.dims.replica_groups())
         watch_router_statistics(model)
-        checkpointing, compiling = self.config.activation_checkpointing, self.config.compile
-        if not self.strategy.microbatched:  # per block, before sharding (torchtitan's order)
-            units = activation_checkpoint.blocks(model)
-            activation_checkpoint.apply(units, checkpointing)
-            compile_blocks.apply(units, compiling, self.device)
         self.step.state.random_calls = calls = RandomCalls(model)
         if meta and source is not None:  # split on the meta device, then this rank's share made real
             with weights.sourced(model, source, self.device):  # a forward while splitting: weights.streamed
@@ -170,10 +163,6 @@ class Run:
         else:
             wrapped = self.strategy.wrap(model, self.ctx, example)
         self._built.append((wrapped, model))
-        if self.strategy.microbatched:  # the blocks were traced into stages: per layer of a stage
-            units = activation_checkpoint.stages(wrapped)
-            activation_checkpoint.apply(units, checkpointing)
-            compile_blocks.apply(units, compiling, self.device)
         wrapped = watch_random_calls(wrapped, calls, self.config.compiling, self.print)
         wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)

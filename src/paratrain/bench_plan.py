@@ -14,21 +14,21 @@ from pathlib import Path
 from .bench.jobs import Settings
 from .bench.planned import Choice, Plan
 from .errors import ParatrainError
-from .planner.layout import STRATEGIES, Layout, axes
+from .planner.layout import Layout, axes, known
 from .planner.predict import Prediction
 
 OPTIMIZER = "sgd"
 """What the bench's workers train with (bench/worker.py), so what the planner predicts for."""
 
 
-def plannable(names: Sequence[str] | None) -> tuple[str, ...]:
+def plannable(names: Sequence[str] | None) -> tuple[str, ...] | None:
     """The strategies to plan over (None: every one the planner predicts); others are refused by name."""
     if names is None:
-        return STRATEGIES
-    unknown = [n for n in names if n not in STRATEGIES]
+        return None
+    unknown = [f"{n} ({why})" for n in names for why in [known(n)] if why]
     if unknown:
-        raise ParatrainError(f"bench --plan: the planner predicts {', '.join(STRATEGIES)}, not {', '.join(unknown)}; "
-                             "drop them from --strategies, or time them without --plan")
+        raise ParatrainError(f"bench --plan: the planner predicts the presets and the grammar's names, not "
+                             f"{', '.join(unknown)}; drop them from --strategies, or time them without --plan")
     return tuple(names)
 
 
@@ -48,11 +48,15 @@ def _bench_runs(layout: Layout, say: Callable[[str], None]) -> bool:
         return True
     from .parallel.dims import dims_for
 
-    dims = dims_for(layout.strategy, layout.devices)
-    if (dims.tp, dims.pp) == (layout.tp, layout.pp):
+    try:
+        dims = dims_for(layout.strategy, layout.devices)
+    except ParatrainError:
+        dims = None
+    if dims == layout.dims:
         return True
+    runs = dims.describe() if dims else "nothing: it needs degrees the bench does not set"
     say(f"bench --plan: {layout.label} is not timed (the bench runs {layout.strategy} on {layout.devices} workers as "
-        f"{dims.describe()}); see it in paratrain plan")
+        f"{runs}); see it in paratrain plan")
     return False
 
 
@@ -83,7 +87,7 @@ def make_plan(workload: str, settings: Settings, workers: list[int], strategies:
     found: list[Prediction] = []
     for n in workers:
         found += search.layouts(profile, cluster.resized(n), batch, precision=settings.precision, optimizer=OPTIMIZER,
-                                devices=n, strategies=[s for s in wanted if s != "single"],
+                                devices=n, strategies=None if wanted is None else [s for s in wanted if s != "single"],
                                 schedules=schedules or search.PIPELINE_SCHEDULES)
     single = search.layouts(profile, cluster.resized(1), batch, precision=settings.precision, optimizer=OPTIMIZER,
                             devices=1, strategies=("single",))

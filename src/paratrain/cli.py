@@ -46,7 +46,7 @@ def _plan(ns: argparse.Namespace) -> int:
 
     request = PlanRequest(
         workload=ns.model or ns.workload, global_batch=ns.global_batch, cluster=ns.cluster, devices=ns.devices,
-        precision=ns.precision,
+        precision=ns.precision, gpt_size=ns.gpt_size,
         optimizer=ns.optimizer, top=ns.top, out=ns.out, validate=ns.validate,
         **({"strategies": tuple(s.strip() for s in ns.strategies.split(",") if s.strip())} if ns.strategies else {}),
         steps=ns.steps,
@@ -60,12 +60,15 @@ def _plan(ns: argparse.Namespace) -> int:
 def _plan_parser(p: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--workload", default="mlp",
-                       help="a bench workload measured here (toy, mlp, convnet, resnet50) or an analytic GPT "
+                       help="a bench workload measured here (toy, mlp, convnet, resnet50, gpt, gpt-moe, gpt-long) "
+                            "or an analytic GPT "
                             "(gpt-1.7b, gpt-3.6b, gpt-5b, gpt-7.5b)")
     which.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                        help="your model: factory(batch_size) -> (model, inputs, targets[, loss_fn])")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per optimizer step (default: the workload's)")
+    p.add_argument("--gpt-size", default=None,
+                   help="size of the gpt, gpt-moe and gpt-long workloads (tiny, mini, moe, long, tiny-moe, tiny-long)")
     p.add_argument("--cluster", default="local",
                    help="local (this machine, measured), h100-nvlink, h100-ib, or a YAML/JSON spec file")
     p.add_argument("--devices", type=int, default=None, help="plan for this many of the cluster's devices")

@@ -18,7 +18,9 @@ PRECISIONS = ("32", "bf16", "16")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--workload", default="mlp", help="toy, mlp (default), convnet, resnet50 or gpt")
+    which.add_argument("--workload", default="mlp",
+                       help="toy, mlp (default), convnet, resnet50, gpt, gpt-moe (8 experts, top-2) or gpt-long "
+                            "(1,024 tokens)")
     which.add_argument("--model", default=None, metavar="MODULE:FACTORY",
                        help="your model: factory(batch_size) -> (model, inputs, targets[, loss_fn])")
     p.add_argument("--strategies", default=None,
@@ -52,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile: paratrain with setup(compile=...), the hand-written loops with "
                         "torch.compile(model) as nanoGPT does (default backend inductor)")
     p.add_argument("--image-size", type=int, default=None, help="image side for convnet / resnet50")
-    p.add_argument("--gpt-size", default=None, choices=("tiny", "mini", "gpt2"),
-                   help="size of the gpt workload: tiny (tests), mini (default on CPU), gpt2 (GPT-2 small, "
-                        "default on GPUs)")
+    p.add_argument("--gpt-size", default=None, choices=("tiny", "mini", "gpt2", "moe", "long", "tiny-moe", "tiny-long"),
+                   help="size of the gpt workloads: tiny (tests), mini (default on CPU), gpt2 (GPT-2 small, "
+                        "default on GPUs); moe and tiny-moe (gpt-moe's), long and tiny-long (gpt-long's)")
     p.add_argument("--no-reference", action="store_true", help="skip the hand-written PyTorch references")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one job (one worker launch) may take")
     p.add_argument("--out", default="results/bench", help="directory for results.json, table.md and plots")

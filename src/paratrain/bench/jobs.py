@@ -25,12 +25,9 @@ from ..parallel.pipeline.schedules import row
 from ..runtime import Placement, check_nproc
 from ..strategies.base import Context, Strategy
 
-BENCH_STRATEGIES = ("single", "dp", "ddp", "fsdp", "mp", "pp", "ddp+pp")
-N_D_STRATEGIES = ("tp", "fsdp+tp", "ddp+tp", "ddp+fsdp")
-"""N-D layouts the bench offers by name (any other name of the grammar is accepted too)."""
 REFERENCE = {"ddp": "torch-ddp", "fsdp": "torch-fsdp", "mp": "torch-pipeline", "pp": "torch-pipelining",
              "tp": "torch-tp", "fsdp+tp": "torch-fsdp-tp", "tp+pp": "torch-tp-pp", "ddp+pp": "torch-ddp-pp",
-             "fsdp+pp": "torch-fsdp-pp"}
+             "fsdp+pp": "torch-fsdp-pp", "ep": "torch-ep", "cp": "torch-cp"}
 """The hand-written PyTorch each paratrain strategy is compared with, on the same workers."""
 REFERENCE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules the hand-written pipeline references (torch-pipelining, torch-tp-pp, torch-ddp-pp, torch-fsdp-pp) are
@@ -125,18 +122,19 @@ def parse_strategies(text: str) -> list[str]:
     strategy the bench offers by name."""
     from ..parallel.dims import canonical, is_grammar
 
+    presets, offered = strategies.names(), strategies.offered()
     names = [s.strip() for s in text.split(",") if s.strip()]
     if names == ["all"]:
-        names = [*BENCH_STRATEGIES, *N_D_STRATEGIES]
+        names = offered
     for i, name in enumerate(names):
-        if name not in BENCH_STRATEGIES and is_grammar(name):
+        if name not in presets and is_grammar(name):
             names[i] = canonical(name)  # an N-D layout from the grammar (a preset's words in any order: the preset)
-        elif name not in BENCH_STRATEGIES:
-            raise unknown_name("strategy for bench", name, (*BENCH_STRATEGIES, *N_D_STRATEGIES))
+        elif name not in presets:
+            raise unknown_name("strategy for bench", name, offered)
     if not names:
-        raise ParatrainError(f"--strategies is empty; give some of {','.join(BENCH_STRATEGIES + N_D_STRATEGIES)}")
-    presets = sorted({"single", *(n for n in names if n in BENCH_STRATEGIES)}, key=BENCH_STRATEGIES.index)
-    return presets + list(dict.fromkeys(n for n in names if n not in BENCH_STRATEGIES))
+        raise ParatrainError(f"--strategies is empty; give some of {','.join(offered)}")
+    chosen = sorted({"single", *(n for n in names if n in presets)}, key=presets.index)
+    return chosen + list(dict.fromkeys(n for n in names if n not in presets))
 
 
 def parse_counts(text: str, flag: str) -> list[int]:

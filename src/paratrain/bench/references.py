@@ -13,6 +13,9 @@
   `parallelize_module` on the model, then the chain cut by hand into two pieces, each a `PipelineStage` over the
   "pp" dimension of a ("pp", "dp", "tp") mesh and, over "dp", one `fully_shard` unit or a replica averaging its
   gradients after the schedule.
+- `torch-ep`, `torch-cp`: expert parallelism of the gpt-moe workload (its experts shared out, rows sent to them
+  and back by all-to-all once per MoE block) and context parallelism of gpt-long (a share of every sequence per
+  rank, keys and values gathered in every attention), in `references_ep_cp`.
 - `no-comm`: not a strategy but the machine's ceiling: the torch-ddp loop without DDP, so each worker
   computes its share and nothing is exchanged.
 - `one_worker`: not a reference but the yardstick of speedups: the plain loop on the whole batch on rank 0
@@ -396,9 +399,24 @@ def torch_nd_pipelining(spec: Spec, workload: Workload, data: Batch, settings: S
                       replicas)
 
 
-BUILDERS: dict[str, Callable[[Spec, Workload, Batch, Settings, torch.device], Step]] = {
+Builder = Callable[[Spec, Workload, Batch, Settings, torch.device], Step]
+
+
+def _later(name: str) -> Builder:
+    """A builder of `references_ep_cp`, imported when first used: that module builds on this one's loop."""
+
+    def build(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
+        from . import references_ep_cp
+
+        made: Step = getattr(references_ep_cp, name)(spec, workload, data, settings, device)
+        return made
+
+    return build
+
+
+BUILDERS: dict[str, Builder] = {
     "torch-ddp": torch_ddp, "torch-pipeline": torch_pipeline, "torch-pipelining": torch_pipelining,
     "no-comm": no_comm, "torch-fsdp": torch_data_tensor, "torch-tp": torch_data_tensor,
     "torch-fsdp-tp": torch_data_tensor, "torch-tp-pp": torch_nd_pipelining, "torch-ddp-pp": torch_nd_pipelining,
-    "torch-fsdp-pp": torch_nd_pipelining,
+    "torch-fsdp-pp": torch_nd_pipelining, "torch-ep": _later("torch_ep"), "torch-cp": _later("torch_cp"),
 }

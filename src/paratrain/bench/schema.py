@@ -40,35 +40,39 @@ from typing import Any
 
 import torch
 
+from .. import strategies
 from ..measure import stats
-from ..parallel.dims import is_grammar
-from .jobs import BENCH_STRATEGIES, CEILING, N_D_STRATEGIES, REFERENCE, Spec
+from ..strategies.base import Strategy
+from .jobs import CEILING, REFERENCE, Spec
 
 SCHEMA = "paratrain-bench/4"
 OLDER = ("paratrain-bench/1", "paratrain-bench/2", "paratrain-bench/3")
 """Versions `from_json` still reads (their missing fields are null)."""
 STATUSES = ("ok", "not-applicable", "failed")
-STRATEGIES = (*BENCH_STRATEGIES, *N_D_STRATEGIES, *REFERENCE.values(), CEILING)
-PIPELINED = ("mp", "pp", "ddp+pp")
-SCHEDULED = ("pp", "ddp+pp")
 _REFERS_TO = {reference: strategy for strategy, reference in REFERENCE.items()}
 
 
-def _pipeline_axis(strategy: str) -> bool:
-    """An N-D layout of the grammar with a pipeline axis (`tp+pp`, `ddp+tp+pp`): pipelined and scheduled."""
-    return strategy not in STRATEGIES and is_grammar(strategy) and "pp" in strategy.split("+")
+def known(name: str) -> bool:
+    """A strategy of the registry (a preset or a name of the grammar), a hand-written reference, or the ceiling."""
+    return name in _REFERS_TO or name == CEILING or strategies.is_known(name)
+
+
+def _strategy(name: str) -> Strategy | None:
+    """The strategy a run measured (a hand-written reference as the strategy it is written for)."""
+    name = _REFERS_TO.get(name, name)
+    return strategies.get(name) if strategies.is_known(name) else None
 
 
 def pipelined(strategy: str) -> bool:
-    """Runs with a micro-batch count (a hand-written reference as the strategy it is written for)."""
-    strategy = _REFERS_TO.get(strategy, strategy)
-    return strategy in PIPELINED or _pipeline_axis(strategy)
+    """Runs with a micro-batch count: the registry's strategy says so (`Strategy.microbatched`)."""
+    found = _strategy(strategy)
+    return found is not None and found.microbatched
 
 
 def scheduled(strategy: str) -> bool:
-    """Runs one of the pipeline schedules."""
-    strategy = _REFERS_TO.get(strategy, strategy)
-    return strategy in SCHEDULED or _pipeline_axis(strategy)
+    """Runs one of the pipeline schedules (`Strategy.scheduled`)."""
+    found = _strategy(strategy)
+    return found is not None and found.scheduled
 
 
 @dataclass(kw_only=True)
@@ -305,7 +309,7 @@ def _run_problems(run: dict[str, Any], tokens: bool, mfu: bool) -> list[str]:
     out = [f"missing key {k!r}" for k in RUN_KEYS if k not in run]
     if out:
         return out
-    if run["strategy"] not in STRATEGIES and not is_grammar(run["strategy"]):  # other N-D names of the grammar
+    if not known(run["strategy"]):
         out.append(f"unknown strategy {run['strategy']!r}")
     if run["status"] not in STATUSES:
         out.append(f"status {run['status']!r} not in {STATUSES}")

@@ -28,7 +28,7 @@ from .. import runtime
 from ..measure import workloads
 from ..measure.timing import time_steps
 from ..measure.workloads import Batch, Workload
-from . import references
+from . import jobs, references
 from .jobs import Job, Settings, Spec
 
 BASELINE = Spec("single", 1)
@@ -78,7 +78,7 @@ def paratrain_side(spec: Spec, workload: Workload, data: Batch, settings: Settin
     options.update(spec.options)
     if settings.compile:
         options["compile"] = True if settings.compile == "inductor" else settings.compile
-    if "tp" in spec.strategy.split("+") and workload.tp_plan:
+    if workload.tp_plan and jobs.context(spec.strategy, spec.workers, settings, **dict(spec.options)).dims.tp > 1:
         options["tp_plan"] = workload.tp_plan
     run = paratrain.setup(**options)
     model = workload.model()

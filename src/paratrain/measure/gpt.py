@@ -34,6 +34,10 @@ class GPTConfig:
     d_model: int
     layers: int
     heads: int
+    experts: int = 0
+    """Feed-forward experts per block (0: one dense MLP), each half the dense MLP's width."""
+    top_k: int = 2
+    """Experts each token is routed to."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.heads:
@@ -45,9 +49,16 @@ SIZES = {
     "tiny": GPTConfig(vocab=64, seq=16, d_model=32, layers=2, heads=2),
     "mini": GPTConfig(vocab=2048, seq=128, d_model=256, layers=4, heads=4),
     "gpt2": GPTConfig(vocab=50304, seq=1024, d_model=768, layers=12, heads=12),
+    "moe": GPTConfig(vocab=2048, seq=128, d_model=256, layers=4, heads=4, experts=8, top_k=2),
+    "long": GPTConfig(vocab=2048, seq=1024, d_model=256, layers=4, heads=4),
+    "tiny-moe": GPTConfig(vocab=64, seq=16, d_model=32, layers=2, heads=2, experts=4, top_k=2),
+    "tiny-long": GPTConfig(vocab=64, seq=64, d_model=32, layers=2, heads=2),
 }
 """`tiny`: tests and smoke runs; `mini`: CPU workers (the default without GPUs); `gpt2`: GPT-2 small
-(124 M parameters, vocabulary padded to 50304 as nanoGPT does), the default on GPUs."""
+(124 M parameters, vocabulary padded to 50304 as nanoGPT does), the default on GPUs. `moe`: `mini` with a
+mixture of 8 experts, top-2, in every block (each expert half the dense MLP: the same FLOPs per token as `mini`
+at four times its MLP weights), for expert parallelism; `long`: `mini` at 1,024 tokens per sequence, for context
+parallelism. `tiny-moe` and `tiny-long` are their test sizes."""
 
 
 class Embedding(nn.Module):
@@ -58,8 +69,9 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.tok(idx) + self.pos(positions)
 
 
@@ -78,14 +90,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        hidden = hidden or 4 * cfg.d_model
+        self.fc = nn.Linear(cfg.d_model, hidden)
         self.act = nn.GELU()
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(hidden, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
+
+
+class MoE(nn.Module):
+    """A mixture of experts as users write one (Switch/Mixtral routing): a router `Linear`, softmax, the top-k
+    experts' weights renormalised, each expert an MLP called on the rows routed to it. No token is dropped."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, 2 * cfg.d_model) for _ in range(cfg.experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = F.softmax(self.router(flat), dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            out = out.index_add(0, rows, weights[rows, slot, None] * expert(flat[rows]))
+        return out.reshape_as(x)
 
 
 class Block(nn.Module):
@@ -94,7 +128,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.norm2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -123,8 +157,10 @@ class GPT(nn.Module):
         self.head.proj.weight = self.embed.tok.weight  # tied, as GPT-2 and nanoGPT do
         self.apply(_init)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (batch, seq): where each token sits in its sequence, when the model sees a share of it
+        (context parallelism gives every rank its chunks' global positions)."""
+        x = self.embed(idx, None if position_ids is None else position_ids[0])
         for block in self.blocks:
             x = block(x)
         return self.head(x)
@@ -156,8 +192,10 @@ def tokens(batch: int, cfg: GPTConfig, seed: int = 1) -> Batch:
 
 
 def matmul_parameters(cfg: GPTConfig) -> int:
-    """N of the formula: weights of matrix products per token (12 d^2 per block, d x vocab in the head)."""
-    return 12 * cfg.layers * cfg.d_model**2 + cfg.d_model * cfg.vocab
+    """N of the formula: weights of matrix products per token (12 d^2 per block, d x vocab in the head); a mixture
+    of experts counts the experts a token is routed to (top-k x 4 d^2) and its router."""
+    mlp = cfg.top_k * 4 * cfg.d_model**2 + cfg.d_model * cfg.experts if cfg.experts else 8 * cfg.d_model**2
+    return cfg.layers * (4 * cfg.d_model**2 + mlp) + cfg.d_model * cfg.vocab
 
 
 def flops_per_token(cfg: GPTConfig) -> int:

@@ -14,7 +14,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -167,12 +167,27 @@ def gpt(size: str | None = None, gpu: bool = False) -> Workload:
         batch=8, steps=5, repeat=5 if gpu else 3, warmup=2,
         split=1 + cfg.layers // 2, layers=layers, tokens=cfg.seq,
         # the MLPs; attention's fused qkv (nanoGPT's layout) is refused by tensor parallelism, so it stays whole
-        tp_plan={"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
+        tp_plan=None if cfg.experts else {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"},
     )
 
 
+def gpt_moe(size: str | None = None, gpu: bool = False) -> Workload:
+    """The GPT decoder with a mixture of 8 experts, top-2, in every block (`moe`; `tiny-moe` for tests): the
+    workload of expert parallelism (`ep`), whose experts it splits over ranks."""
+    return replace(gpt(size or "moe", gpu), name="gpt-moe")
+
+
+def gpt_long(size: str | None = None, gpu: bool = False) -> Workload:
+    """The GPT decoder at 1,024 tokens per sequence (`long`; `tiny-long` for tests): the workload of context
+    parallelism (`cp`), which gives each rank a share of every sequence."""
+    return replace(gpt(size or "long", gpu), name="gpt-long")
+
+
 BUILTIN: dict[str, Callable[..., Workload]] = {"toy": toy, "mlp": mlp, "mlp-wide": mlp_wide, "convnet": convnet,
-                                               "resnet50": resnet50, "gpt": gpt}
+                                               "resnet50": resnet50, "gpt": gpt, "gpt-moe": gpt_moe,
+                                               "gpt-long": gpt_long}
+GPT_LIKE = ("gpt", "gpt-moe", "gpt-long")
+"""Workloads that take a GPT size (`--gpt-size`)."""
 
 
 def get(name: str, *, image: int | None = None, gpu: bool = False, gpt_size: str | None = None) -> Workload:
@@ -181,10 +196,10 @@ def get(name: str, *, image: int | None = None, gpu: bool = False, gpt_size: str
         return from_factory(name)
     if name not in BUILTIN:
         raise unknown_name("workload", name, BUILTIN)
-    if gpt_size is not None and name != "gpt":
-        raise ParatrainError(f"--gpt-size {gpt_size} applies to --workload gpt, not {name!r}")
-    if name == "gpt":
-        return gpt(gpt_size, gpu)
+    if gpt_size is not None and name not in GPT_LIKE:
+        raise ParatrainError(f"--gpt-size {gpt_size} applies to --workload {', '.join(GPT_LIKE)}, not {name!r}")
+    if name in GPT_LIKE:
+        return BUILTIN[name](gpt_size, gpu)
     if name == "resnet50":
         return resnet50(image, gpu)
     if name == "convnet" and image is not None:

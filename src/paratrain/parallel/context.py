@@ -11,8 +11,9 @@ The model's forward is wrapped once (`apply_cp`). Inside it:
 - the model is given the global positions of its tokens (`position_ids`), so rotary and absolute position
   embeddings see where each token is in the sequence, not in its share;
 - every `F.scaled_dot_product_attention` call attends from the rank's queries to the whole sequence's keys and
-  values, gathered over the group (a differentiable all-gather: the backward returns each key's gradient to the
-  rank that holds it), causal by global position. This is exact attention, not an approximation, on any device;
+  values, gathered over the group in one differentiable all-gather (the backward returns each key's gradient to
+  the rank that holds it) and left in rank order, causal by their global positions (the mask is built once per
+  forward). This is exact attention, not an approximation, on any device;
   torch's own `context_parallel` has no rule for the CPU attention kernel;
 - outputs with the share's length are gathered back into the whole sequence, in order, so the loss is the whole
   sequence's, computed by the user's code on every rank of the group (its gradient reaches each rank's share
@@ -62,14 +63,24 @@ class _Gather:
         """Where each gathered position goes: the inverse of the concatenated shares."""
 
     def __call__(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        whole = self.shares(t, dim)
+        return whole.index_select(dim, self.order.to(whole.device))
+
+    def shares(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The group's shares of `t` along `dim`, rank after rank (not in sequence order)."""
         from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
 
         moved = t.movedim(dim, 0).contiguous()
-        whole = wait_tensor(all_gather_tensor_autograd(moved, 0, self.group))
-        return whole.index_select(0, self.order.to(whole.device)).movedim(0, dim)
+        return wait_tensor(all_gather_tensor_autograd(moved, 0, self.group)).movedim(0, dim)
 
 
-def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor) -> Callable[..., Any]:
+def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor,
+          gathered: torch.Tensor) -> Callable[..., Any]:
+    """Attention from this rank's queries (global `positions`) to every rank's keys and values, gathered in one
+    collective in rank order (their global positions: `gathered`); the causal mask follows the positions, so
+    the keys need no reordering, and it is built once per forward."""
+    masks: dict[torch.device, torch.Tensor] = {}
+
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, **kwargs: Any) -> torch.Tensor:
         if attn_mask is not None:
@@ -80,11 +91,13 @@ def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor
         if dropout_p:
             raise ParatrainError("context parallelism: attention dropout would draw its mask per share, not as one "
                                  "process draws it; set the attention dropout to 0 or drop 'cp'")
-        keys, values = gather(key, -2), gather(value, -2)
-        mask = None
-        if is_causal:
-            every = torch.arange(keys.shape[-2], device=query.device)
-            mask = every[None, :] <= positions.to(query.device)[:, None]
+        if key.shape == value.shape:  # one collective for both
+            keys, values = gather.shares(torch.stack([key, value]), -2).unbind(0)
+        else:
+            keys, values = gather.shares(key, -2), gather.shares(value, -2)
+        mask = masks.get(query.device) if is_causal else None
+        if is_causal and mask is None:
+            mask = masks[query.device] = gathered.to(query.device)[None, :] <= positions.to(query.device)[:, None]
         return original(query, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scale, **kwargs)
 
     return attention
@@ -111,9 +124,10 @@ class _HandWrittenAttention(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _attending(gather: _Gather, positions: torch.Tensor, local: int, first: bool) -> Iterator[None]:
+def _attending(gather: _Gather, positions: torch.Tensor, gathered: torch.Tensor, local: int,
+               first: bool) -> Iterator[None]:
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _sdpa(original, gather, positions)  # type: ignore[assignment]
+    F.scaled_dot_product_attention = _sdpa(original, gather, positions, gathered)  # type: ignore[assignment]
     watch = _HandWrittenAttention(local) if first else contextlib.nullcontext()
     try:
         with watch:
@@ -135,6 +149,15 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
             "given, sets the positions its rotary or absolute embeddings use (Hugging Face models have one), or "
             "drop 'cp' from the strategy")
     inner, calls = model.forward, [0]
+    layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def layout(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's positions of a sequence of `length`, the group's positions rank after rank (as a gather
+        returns them), and the order that puts them back: integers fixed by the length, made once per length."""
+        if length not in layouts:
+            every = torch.cat([shares(length, size, r) for r in range(size)])
+            layouts[length] = shares(length, size, rank), every, torch.argsort(every)
+        return layouts[length]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         found = [t for t in tensors_in((args, kwargs)) if t.dim() >= 2]
@@ -142,14 +165,13 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
             raise ParatrainError("context parallelism: the model's inputs hold no tensor with a sequence dimension "
                                  "(batch, sequence, ...) to share out")
         length = found[0].shape[1]
-        mine = shares(length, size, rank)
-        every = torch.cat([shares(length, size, r) for r in range(size)])
-        gather = _Gather(group, size, torch.argsort(every))
+        mine, every, order = layout(length)
+        gather = _Gather(group, size, order)
         cut = lambda t: t.index_select(1, mine.to(t.device)) if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
         args, kwargs = map_tensors(cut, (args, kwargs))
         kwargs.setdefault("position_ids", mine.to(found[0].device)[None, :].expand(found[0].shape[0], -1))
         calls[0] += 1
-        with _attending(gather, mine, len(mine), calls[0] == 1):
+        with _attending(gather, mine, every, len(mine), calls[0] == 1):
             out = inner(*args, **kwargs)
         whole = lambda t: gather(t, 1) if t.dim() >= 2 and t.shape[1] == len(mine) else t  # noqa: E731
         return map_tensors(whole, out)

@@ -16,7 +16,6 @@ from the replicas), the expert group innermost, so ranks that load different row
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -99,6 +98,16 @@ class ParallelDims:
         rows."""
         c = self.coordinates(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"], self.dp
+
+    def replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks that load different rows of one step: one group per position on the model axes (pp, cp, tp),
+        each its data-parallel ranks in order. Arithmetic only, so every rank knows every group without a
+        collective."""
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for rank in range(self.world):
+            c = self.coordinates(rank)
+            groups.setdefault((c["pp"], c["cp"], c["tp"]), []).append(rank)
+        return tuple(tuple(ranks) for ranks in groups.values())
 
     def build_mesh(self, device_type: str) -> Any:
         """One DeviceMesh over the whole world, with a named dimension per axis (size-1 axes included, so code
@@ -199,21 +208,3 @@ def _model_and_data(name: str, world: int, *, tp_size: int | None, pp_size: int 
                    "replica")
         raise ParatrainError(f"strategy {name!r} on world {world}: {got} ({dims.describe()}); {fix}")
     return dims
-
-
-PRESET_DIMS: dict[str, Callable[[int], ParallelDims]] = {
-    "single": lambda world: ParallelDims(), "dp": lambda world: ParallelDims(), "mp": lambda world: ParallelDims(),
-    "ddp+mp": lambda world: ParallelDims(dp_replicate=world), "ddp": lambda world: ParallelDims(dp_replicate=world),
-    "fsdp": lambda world: ParallelDims(dp_shard=world), "pp": lambda world: ParallelDims(pp=world)}
-"""The presets' degrees: one process's (`dp` and `mp` use several devices of one process, not ranks), or the whole
-world on their one axis. Their own `check` refuses a world they cannot run, naming the fix."""
-
-
-def of_strategy(config: Any, world: int) -> ParallelDims:
-    """Every strategy's degrees on `world` workers: a preset's, or the grammar's with the config's sizes (refused
-    with the arithmetic where they do not fit)."""
-    name = config.strategy
-    if name in PRESET_DIMS:
-        return PRESET_DIMS[name](world)
-    return dims_for(name, world, tp_size=config.tp_size, pp_size=config.pp_size, dp_replicate=config.dp_replicate,
-                    ep_size=config.ep_size, cp_size=config.cp_size)

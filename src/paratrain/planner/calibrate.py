@@ -1,12 +1,14 @@
 """Measure the machine at hand into a cluster spec (`--cluster local`).
 
 Two CPU workers (one thread each, as `paratrain run` starts them) time every collective the strategies use
-over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha and beta are fitted per collective
-(`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is almost all schedule
-overhead (sends, receives, Python), a tensor-parallel pair of tiny Linears against the same pair whole
-(DTensor's per-call cost), and chains of FSDP2 units of two sizes against the same chains whole, less their
-collectives timed alone (FSDP's per-unit cost on CPU workers), and report their resident memory once torch's
-dense kernels have run (code and math-library workspaces resident, no model): the floor every worker's
+(all-reduce, all-gather, reduce-scatter, gloo's `all_to_all_single` as expert parallelism exchanges rows, and
+send/recv) over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha and beta are fitted per
+collective (`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is almost all
+schedule overhead (sends, receives, Python), a tensor-parallel pair of tiny Linears against the same pair whole
+(DTensor's per-call cost), one listed expert's exchange as expert parallelism runs it against its collectives
+alone (the runtime's cost per expert call), and chains of FSDP2 units of two sizes against the same chains whole,
+less their collectives timed alone (FSDP's per-unit cost on CPU workers), and report their resident memory once
+torch's dense kernels have run (code and math-library workspaces resident, no model): the floor every worker's
 measured peak includes. One core times matrix products of growing size for its peak rate and efficiency curve,
 and a large copy for its memory bandwidth; one process times paratrain's loop against the bare one.
 """
@@ -53,6 +55,9 @@ def _collective(kind: str, n: int) -> Callable[[], Any]:
         return lambda: dist.all_gather_into_tensor(full, shard)
     if kind == "reduce_scatter":
         return lambda: dist.reduce_scatter_tensor(shard, full)
+    if kind == "all_to_all":  # n bytes sent by each worker, 1/p of them to each (itself included)
+        received = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(received, full)
 
     def ping_pong() -> None:  # rank 0 <-> rank 1; one-way time is half the round trip
         if rank == 0:
@@ -100,6 +105,31 @@ def _tensor_parallel_overhead(mesh: Any, repeats: int) -> float:
     split = _timed(lambda: sharded(x).sum().backward(), repeats)
     reduce = _timed(lambda: dist.all_reduce(small), repeats)
     return max(0.0, (split - whole - 2 * reduce) / 2)
+
+
+def _expert_overhead(repeats: int) -> float:
+    """Seconds one listed expert's call under expert parallelism adds beyond its collectives: the runtime's own
+    exchange (`parallel.expert.dispatch`: row counts agreed, rows to the owner and back through the differentiable
+    all-to-all, then the backward's two), on 4 rows of 8 features, less those five collectives timed plain."""
+    import torch.distributed as dist
+
+    from ..parallel.expert import dispatch
+
+    group, p, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def call() -> None:
+        rows = dispatch.agree(0, 4, group, p, "calibration")
+        to_owner = [4 if r == 0 else 0 for r in range(p)]
+        mine = rows if rank == 0 else [0] * p
+        back = dispatch.exchange(2 * dispatch.exchange(x, to_owner, mine, group), mine, to_owner, group)
+        back.sum().backward()
+
+    whole = _timed(call, 4 * repeats)
+    small, received = torch.ones(8 * p), torch.empty(8 * p)
+    a2a = _timed(lambda: dist.all_to_all_single(received, small), 4 * repeats)
+    gather = _timed(lambda: dist.all_gather_into_tensor(received[: 2 * p], small[:2]), 4 * repeats)
+    return max(0.0, whole - 4 * a2a - gather)
 
 
 FSDP_WIDTHS = (128, 512)
@@ -151,6 +181,7 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     pipeline = _pipeline_step(repeats)  # starts the process group through paratrain.setup
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # what the tensor-parallel and FSDP probes shard over
     tensor = max_over_world(_tensor_parallel_overhead(mesh, 4 * repeats))
+    expert = max_over_world(_expert_overhead(repeats))
     fsdp = [(n, max_over_world(t)) for n, t in (_fsdp_unit_cost(w, mesh, repeats) for w in FSDP_WIDTHS)]
     _warm_dense_kernels()
     resident = resident_bytes()
@@ -165,6 +196,7 @@ def worker(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
             points.append((n, max_over_world(seconds)))
         sweep[kind] = points
     return {"sweep": sweep, "pipeline_step_s": max_over_world(pipeline), "tp_overhead_s": tensor, "fsdp_unit": fsdp,
+            "expert_overhead_s": expert,
             "resident_bytes": resident,
             "world": dist.get_world_size()}
 
@@ -280,6 +312,7 @@ def measure(timeout: float = 300.0, repeats: int = 5, sizes: tuple[int, ...] = S
         efficiency=tuple((x, y) for x, y in curve),
         overlap=0.0, process_bytes=float(found["resident_bytes"]), reserved=0.0, action_overhead=action,
         step_overhead=_cpu(framework_overhead), tp_overhead=float(found["tp_overhead_s"]),
+        expert_overhead=float(found["expert_overhead_s"]),
         fsdp_unit=_line(found["fsdp_unit"]),
         collectives=collectives, measured_here=True,
     )

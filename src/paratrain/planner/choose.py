@@ -25,11 +25,8 @@ from .._tree import map_tensors, tensors_in
 from ..errors import ParatrainError
 from . import cluster as clusters
 from .cluster import Cluster
-from .layout import STRATEGIES
 from .predict import Prediction
 
-CANDIDATES = tuple(s for s in STRATEGIES if s not in ("single", "mp"))
-"""What a multi-process world can run: every layout that uses each process as one device."""
 REPEATS = 5
 """Timed repeats per layer and size: with 3, one start in three of the `gpt` workload ranked a pipeline 23%
 slower than `ddp` first (benchmarks/auto_choice.py)."""
@@ -62,9 +59,13 @@ def machine(kind: str, say: Say) -> Cluster:
     path = cache_path(kind)
     if path.exists():
         try:
-            return clusters.load(str(path))
+            cached = clusters.load(str(path))
         except ParatrainError:
-            path.unlink(missing_ok=True)  # a cache from another version of the format: measure again
+            cached = None  # a cache from another version of the format: measure again
+        fitted = set(cached.collectives) if cached is not None else set()
+        if cached is not None and (not fitted or fitted >= set(clusters.COLLECTIVES)):
+            return cached
+        path.unlink(missing_ok=True)  # or one made before every collective was measured
     say(f"paratrain: strategy auto measures this machine once ({path}; set {CLUSTER_ENV} to use another spec)")
     path.parent.mkdir(parents=True, exist_ok=True)
     _calibrate(kind, path)
@@ -148,11 +149,11 @@ def optimizer_name(optimizer: torch.optim.Optimizer | None) -> str:
 
 
 def ranked(predictions: list[Prediction], world: int, grad_accum: int, pipelines: bool) -> list[Prediction]:
-    """The layouts this job can switch to, fastest first: all `world` processes, one device each, the
-    accumulation the script asked for (it sized its loader with it), pipelines only for a loop that runs them."""
+    """The layouts this job can switch to, fastest first: all `world` processes, one device each (not `single`, not
+    `mp`), the accumulation the script asked for (it sized its loader with it), pipelines only for a loop that runs
+    them."""
     return [p for p in predictions if p.fits and p.layout.processes == world and p.layout.devices == world
-            and p.layout.grad_accum == grad_accum and p.layout.strategy in CANDIDATES
-            and (pipelines or not p.layout.pipelined)]
+            and p.layout.grad_accum == grad_accum and (pipelines or not p.layout.pipelined)]
 
 
 def reason(best: Prediction, runner_up: Prediction | None) -> str:
@@ -196,7 +197,7 @@ def plan(model: nn.Module, example: Any, optimizer: torch.optim.Optimizer | None
                           device=device, real=real)
     del probe
     found = ranked(search.layouts(profile, cluster, global_batch, precision=precision, optimizer=name,
-                                  devices=world, strategies=CANDIDATES), world, grad_accum, pipelines)
+                                  devices=world), world, grad_accum, pipelines)
     runnable: list[tuple[Prediction, dict[str, Any]]] = []
     refused: list[str] = []
     for p in found:

@@ -22,7 +22,11 @@ optional, units in the key names):
     reserved_gib: 2                  # memory the model cannot use (CUDA context, NCCL buffers)
 
 `paratrain plan --cluster local` measures the machine at hand and writes it in this format, with the
-fitted per-collective alpha-beta pairs under `collectives` (see `comm.calibrate`).
+fitted per-collective alpha-beta pairs under `collectives` (see `calibrate`): any of `COLLECTIVES`, e.g.
+
+    collectives: {all_to_all: {alpha_us: 40, beta_s_per_gb: 0.9}}
+
+A collective without a fitted pair (every one, in the presets) takes the link its group crosses.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from ..errors import ParatrainError, unknown_name
 
 GB = 1e9
 GIB = 2**30
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+"""The collectives the alpha-beta model knows (`comm.py`); a spec's `collectives` may fit any of them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +89,10 @@ class Cluster:
     tp_overhead: float = 0.0
     """Seconds one tensor-parallel (DTensor) Linear adds per forward and backward beyond its math and its
     all-reduce: sharding propagation and redistribution run in Python on every call. Measured here; 0 in specs."""
+    expert_overhead: float = 0.0
+    """Seconds one exchange of expert parallelism adds beyond its collectives (a listed expert's call, a grouped
+    module's dispatch): the row counts agreed, the differentiable all-to-all's Python and autograd path, forward and
+    backward. Measured here (`calibrate`); 0 in specs."""
     fsdp_unit: tuple[float, float] = (0.0, 0.0)
     """(seconds, seconds per parameter byte) one FSDP unit adds per forward and backward beyond its math and
     its collectives: hooks, flat-buffer copies, and on CPU workers the core its transfers take from compute.
@@ -134,7 +144,7 @@ class Cluster:
             "efficiency": [list(p) for p in self.efficiency], "overlap": self.overlap,
             "process_gib": self.process_bytes / GIB, "reserved_gib": self.reserved / GIB,
             "action_overhead_us": self.action_overhead * 1e6, "step_overhead_us": self.step_overhead * 1e6,
-            "tp_overhead_us": self.tp_overhead * 1e6,
+            "tp_overhead_us": self.tp_overhead * 1e6, "expert_overhead_us": self.expert_overhead * 1e6,
             "fsdp_unit_overhead": {"alpha_us": self.fsdp_unit[0] * 1e6, "beta_s_per_gb": self.fsdp_unit[1] * GB},
             "measured_here": self.measured_here,
         }
@@ -170,7 +180,7 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
     """A `Cluster` from the file format; every problem is named with the key to fix."""
     known = {"name", "kind", "description", "devices_per_node", "nodes", "device", "intra_node", "inter_node",
              "efficiency", "overlap", "process_gib", "reserved_gib", "action_overhead_us", "step_overhead_us",
-             "tp_overhead_us", "fsdp_unit_overhead", "collectives", "measured_here"}
+             "tp_overhead_us", "expert_overhead_us", "fsdp_unit_overhead", "collectives", "measured_here"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ParatrainError(f"cluster spec: unknown key(s) {unknown}; known keys: {sorted(known)}")
@@ -198,6 +208,9 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
                              "<= 1, e.g. [[1e9, 0.1], [1e12, 0.6]]")
     collectives = {}
     for name, pair in (spec.get("collectives") or {}).items():
+        if name not in COLLECTIVES:
+            raise ParatrainError(f"cluster spec: collectives.{name} is not a collective the planner models; known: "
+                                 f"{', '.join(COLLECTIVES)}")
         collectives[str(name)] = (_number(pair, "alpha_us", 0, f"collectives.{name}.") * 1e-6,
                                   _number(pair, "beta_s_per_gb", 0, f"collectives.{name}.") / GB)
     unit = spec.get("fsdp_unit_overhead") or {}
@@ -218,6 +231,7 @@ def from_spec(spec: Mapping[str, Any]) -> Cluster:
         action_overhead=_number(spec, "action_overhead_us", 0, "") * 1e-6,
         step_overhead=_number(spec, "step_overhead_us", 0, "") * 1e-6,
         tp_overhead=_number(spec, "tp_overhead_us", 0, "") * 1e-6, collectives=collectives,
+        expert_overhead=_number(spec, "expert_overhead_us", 0, "") * 1e-6,
         fsdp_unit=(_number(unit, "alpha_us", 0, "fsdp_unit_overhead.") * 1e-6,
                    _number(unit, "beta_s_per_gb", 0, "fsdp_unit_overhead.") / GB),
         measured_here=bool(spec.get("measured_here", False)),

@@ -5,6 +5,8 @@ A ring over p workers moves each byte through p-1 links and takes p-1 latency st
     all-reduce      2(p-1)/p * n * beta + 2(p-1) * alpha     (reduce-scatter, then all-gather)
     all-gather        (p-1)/p * n * beta +  (p-1) * alpha     (n: the gathered size)
     reduce-scatter    (p-1)/p * n * beta +  (p-1) * alpha     (n: the size before scattering)
+    all-to-all        (p-1)/p * n * beta +  (p-1) * alpha     (n: what one worker sends in all; pairwise exchange,
+                                                              each worker keeps 1/p and sends 1/p to each other one)
     point-to-point              n * beta +         alpha
 
 beta is 1 / the per-device bandwidth of the slowest link the group crosses: NVLink (or the loopback of
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cluster import Cluster, Link
+from .cluster import COLLECTIVES, Cluster, Link
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+__all__ = ["COLLECTIVES", "Group", "collective_time", "fit", "p2p_time", "steps", "time", "volume"]
 
 
 def steps(kind: str, p: int) -> int:
-    """Latency terms of one ring collective over p workers."""
+    """Latency terms of one collective over p workers (a ring's steps; all-to-all's p-1 pairwise exchanges)."""
     if kind == "p2p":
         return 1
     return 2 * (p - 1) if kind == "all_reduce" else p - 1
@@ -63,6 +65,16 @@ def pipeline_groups(cluster: Cluster, dp: int, pp: int, tp: int = 1) -> tuple[Gr
 def tensor_group(cluster: Cluster, tp: int) -> Group:
     """Tensor ranks are the innermost mesh axis: neighbours on one node unless tp exceeds a node."""
     return Group(tp, tp > cluster.devices_per_node)
+
+
+def context_group(cluster: Cluster, cp: int, tp: int = 1) -> Group:
+    """Context ranks sit next to the tensor axis (`parallel.dims`: cp x tp innermost), cp of them tp apart."""
+    return Group(cp, cp > 1 and cp * tp > cluster.devices_per_node)
+
+
+def expert_group(cluster: Cluster, ep: int) -> Group:
+    """The expert group is the innermost part of the data-parallel axis it is carved from: ep neighbours."""
+    return Group(ep, ep > cluster.devices_per_node)
 
 
 def link_of(cluster: Cluster, group: Group) -> Link:

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ParatrainError, unknown_name
+from ..parallel.dims import AXES
+from ..strategies import TABLE
 from . import cluster as clusters
 from . import report, search, transformer, validate
 from .cluster import Cluster
 from .costs import Profile
-from .layout import STRATEGIES
+from .layout import known, presets
 
 OPTIMIZERS = ("adam", "momentum", "sgd")
 Say = Callable[[str], None]
@@ -38,7 +40,10 @@ class PlanRequest:
     top: int = 10
     out: str | None = None
     validate: bool = False
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] | None = None
+    """The strategies to consider (None: every one the planner predicts): presets, or any name of the grammar."""
+    gpt_size: str | None = None
+    """A size of the GPT workloads (`measure/gpt.py` SIZES, e.g. `tiny-moe`); None: the workload's default."""
     steps: int = 5
     warmup: int = 2
     repeat: int = 2
@@ -92,7 +97,7 @@ def load_profile(request: PlanRequest, cluster: Cluster, say: Say = print) -> tu
     from .profile import measure
 
     on_gpu = cluster.kind == "cuda" and cluster.measured_here  # measured where it will train
-    workload = workloads.get(request.workload, gpu=on_gpu)
+    workload = workloads.get(request.workload, gpu=on_gpu, gpt_size=request.gpt_size)
     batch = request.global_batch or workload.batch
     sizes = micro_sizes(batch) if cluster.measured_here else micro_sizes(batch)[:1]
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
@@ -106,15 +111,19 @@ def load_profile(request: PlanRequest, cluster: Cluster, say: Say = print) -> tu
     profile = measure(workload.model().to(device), data, workload.loss(), sizes, name=workload.name,
                       precision=request.precision, optimizer=request.optimizer, tp_plan=workload.tp_plan,
                       device=device)
+    profile.tokens_per_sample = workload.tokens or 1
     return profile, batch
 
 
 def main(request: PlanRequest, say: Say = print) -> int:
     if request.optimizer not in OPTIMIZERS:
         raise ParatrainError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {request.optimizer!r}")
-    unknown = [s for s in request.strategies if s not in STRATEGIES]
-    if unknown:
-        raise unknown_name("strategy", unknown[0], STRATEGIES)
+    for name in request.strategies or ():
+        why = known(name)
+        if why is not None and ("+" in name or name in TABLE):
+            raise ParatrainError(f"--strategies: {why}")
+        if why is not None:
+            raise unknown_name("strategy", name, {*presets(), *AXES})
     if request.top < 1:
         raise ParatrainError(f"--top must be >= 1, got {request.top}")
     out = Path(request.out) if request.out else None
@@ -129,7 +138,7 @@ def main(request: PlanRequest, say: Say = print) -> int:
     profile, batch = load_profile(request, cluster, say)
     predictions = search.layouts(profile, cluster, batch, precision=request.precision, optimizer=request.optimizer,
                                  strategies=request.strategies)
-    if cluster.devices > 1 and "single" in request.strategies:  # one device is always a candidate too
+    if cluster.devices > 1 and search.wanted(request.strategies)("single"):  # one device is always a candidate too
         single = search.layouts(profile, cluster, batch, precision=request.precision, optimizer=request.optimizer,
                                 devices=1, strategies=("single",))
         predictions = sorted((p for p in predictions + single if p.fits), key=lambda p: p.step_s) + [
@@ -165,7 +174,7 @@ def _validate(request: PlanRequest, profile: Profile, cluster: Cluster, batch: i
     if request.workload in transformer.PRESETS:
         raise ParatrainError(f"--validate runs the model, but {request.workload} is analytic; validate a workload "
                              "that can be built here (toy, mlp, convnet, resnet50 or --model module:factory)")
-    layouts = validate.local_layouts(request.precision, cluster)
+    layouts = validate.local_layouts(request.precision, cluster, profile)
     if request.layouts:
         chosen = [layout for layout in layouts if layout.label in request.layouts]
         unknown = sorted(set(request.layouts) - {layout.label for layout in chosen})
@@ -173,7 +182,8 @@ def _validate(request: PlanRequest, profile: Profile, cluster: Cluster, batch: i
             raise ParatrainError(f"--layouts {unknown} are not validation layouts; choose from "
                                  f"{[layout.label for layout in layouts]}")
         layouts = chosen
-    settings = validate.Settings(workload=request.workload, gpu=cluster.kind == "cuda", batch=batch,
+    settings = validate.Settings(workload=request.workload, gpt_size=request.gpt_size, gpu=cluster.kind == "cuda",
+                                 batch=batch,
                                  optimizer=request.optimizer, steps=request.steps, warmup=request.warmup,
                                  repeat=request.repeat, passes=request.passes, timeout_s=request.timeout_s)
     say(f"\nvalidating {len(layouts)} layout(s) on this machine ({settings.warmup} warm-up + {settings.repeat} x "

@@ -14,6 +14,7 @@ call of that size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,7 +28,32 @@ OPTIMIZER_TRAFFIC = {"sgd": 12, "momentum": 20, "adam": 28}
 
 
 @dataclass(kw_only=True)
-class LayerCost:
+class AxisFacts:
+    """What a layer holds that expert and context parallelism split: its experts and its attention calls."""
+
+    experts: int = 0
+    """Experts of each mixture-of-experts module in this layer (0: none; `parallel.expert.find`)."""
+    expert_kind: str = ""
+    """"listed" (a ModuleList, exchanged once per expert call) or "grouped" (3-D weights, one exchange a module)."""
+    moe_modules: int = 0
+    expert_params: int = 0
+    """Parameters of all the layer's experts (expert parallelism holds 1/ep of them)."""
+    expert_tensors: int = 0
+    """Parameter tensors of the experts (their gradients are all-reduced one tensor at a time)."""
+    expert_share: float = 0.0
+    """Share of the layer's forward FLOPs spent in its experts."""
+    routed_bytes: float = 0.0
+    """Bytes routed to experts per sample, all modules of the layer: tokens x top_k x hidden x dtype bytes."""
+    expert_rows: tuple[int, ...] = ()
+    """Rows the router sent to each expert on the profiling example (listed experts; empty: not measured)."""
+    attention_calls: int = 0
+    """`F.scaled_dot_product_attention` calls in this layer's forward."""
+    kv_bytes: float = 0.0
+    """Bytes of the keys and values of those calls, per sample (what context parallelism gathers)."""
+
+
+@dataclass(kw_only=True)
+class LayerCost(AxisFacts):
     name: str
     params: int
     param_bytes: int
@@ -58,10 +84,13 @@ class LayerCost:
     """Parameters of this layer that an earlier layer holds too (a tied weight, e.g. a GPT's head and embedding)."""
     shared_with: tuple[str, ...] = ()
     """The earlier layers holding them: where one of them is on the same worker the weight is held once there."""
+    attention_s: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds of those calls per sample, causal, as measured (0: not measured)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["seconds"] = {str(k): list(v) for k, v in self.seconds.items()}
+        out["expert_rows"], out["attention_s"] = list(self.expert_rows), list(self.attention_s)
         return out
 
 
@@ -105,6 +134,20 @@ class Profile:
     built: str = "whole"
     """How each rank builds the model before `prepare` splits it: "whole" (its every tensor, on every rank), or
     "meta" (on the meta device: each rank gets storage for its share only, a layer's tensors at a time)."""
+    top_k: int = 0
+    """Experts each token is routed to (0: no mixture of experts)."""
+    sequence: int = 0
+    """Tokens per sequence that attention sees (0: no attention call found)."""
+    position_ids: bool = False
+    """The model's forward takes `position_ids`, which context parallelism needs (`parallel.context`)."""
+    context_refused: str | None = None
+    """Why context parallelism would refuse the model's attention (a call with its own mask or dropout)."""
+    masked_attention: float = 1.0
+    """Seconds of attention from half the queries to every key under an explicit causal mask (what a context-parallel
+    rank runs) over half of causal attention's seconds (what the profiled layers ran): the kernel skips the masked
+    blocks only when told the attention is causal."""
+    axes_note: str | None = None
+    """What the expert and context terms could not measure and assumed instead."""
 
     @property
     def params(self) -> int:
@@ -114,6 +157,28 @@ class Profile:
     @property
     def param_bytes(self) -> int:
         return round(tensor_params(self.layers)[1])
+
+    @property
+    def experts(self) -> int:
+        """Experts every MoE layer can split evenly (their greatest common divisor; 0: none)."""
+        return math.gcd(*(x.experts for x in self.layers if x.experts)) if any(x.experts for x in self.layers) else 0
+
+    @property
+    def attention(self) -> bool:
+        return any(x.attention_calls for x in self.layers)
+
+    def imbalance(self, ep: int) -> float:
+        """The busiest expert-parallel rank's routed rows over the mean, summed over the layers measured (rank r
+        holds experts r*E/ep .. (r+1)*E/ep - 1); 1.0 where routing was not measured."""
+        busiest = mean = 0.0
+        for x in self.layers:
+            if not x.expert_rows or ep <= 1 or len(x.expert_rows) % ep:
+                continue
+            local = len(x.expert_rows) // ep
+            loads = [sum(x.expert_rows[r * local : (r + 1) * local]) for r in range(ep)]
+            busiest += max(loads)
+            mean += sum(loads) / ep
+        return busiest / mean if mean else 1.0
 
     def flops_per_sample(self) -> float:
         return sum(layer.flops_fwd + layer.flops_bwd for layer in self.layers)

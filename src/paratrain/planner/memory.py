@@ -76,6 +76,13 @@ class Memory:
             step = held + self.activations + self.grads + self.temporary
         return max(step, self.process + self.build)
 
+    def add(self, other: Memory) -> None:
+        """Another set of parameters' state held beside these (experts outside FSDP's shards)."""
+        self.params += other.params
+        self.grads += other.grads
+        self.optimizer += other.optimizer
+        self.temporary += other.temporary
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
 

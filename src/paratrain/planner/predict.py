@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ParatrainError
+from ..parallel.dims import ParallelDims
 from ..parallel.pipeline import schedules, simulate
 from ..parallel.pipeline.balance import solve
-from . import costs, memory, overlap
+from . import axes, costs, memory, overlap
 from .cluster import GIB, Cluster
-from .comm import Group, collective_time, p2p_time, pipeline_groups, tensor_group
+from .comm import Group, collective_time, p2p_time, pipeline_groups
 from .costs import Profile
 from .layout import Layout
 from .memory import Memory
@@ -77,11 +78,9 @@ def problem(layout: Layout, profile: Profile, batch: int, cluster: Cluster) -> s
     if batch % parts:
         return (f"global batch {batch} does not split into {layout.dp} replica(s) x {parts // layout.dp} "
                 f"{'micro-batches' if layout.pipelined else 'accumulation steps'}")
-    if layout.tp > 1 and not profile.tp_width:
-        return profile.tp_note or "the model has no tensor-parallel plan"
-    if layout.tp > 1 and profile.tp_width % layout.tp:
-        return (f"tensor parallelism over {layout.tp} ranks cannot split the planned Linears evenly (their split "
-                f"dimensions have greatest common divisor {profile.tp_width})")
+    why = axes.problem(profile, layout.dims)
+    if why is not None:
+        return why
     if layout.pipelined and len(profile.layers) < layout.stages:
         return f"the model has {len(profile.layers)} layers, fewer than the {layout.stages} stages"
     if layout.scheduled and layout.precision == "16":
@@ -152,75 +151,58 @@ def _shared_cores(step: float, work: float, cluster: Cluster, layout: Layout) ->
     return step
 
 
-def _tensor_times(profile: Profile, b: int, cluster: Cluster, layout: Layout) -> tuple[list[costs.LayerTime], float]:
-    """Each layer's time on one tensor rank, its all-reduces and DTensor's per-call cost included; and the
-    seconds of those all-reduces (exposed communication)."""
-    whole = costs.times(profile, b, cluster, layout.precision)
-    tp = layout.tp
-    if tp <= 1:
-        return whole, 0.0
-    split = costs.times(profile, b / tp, cluster, layout.precision)
-    group = tensor_group(cluster, tp)
-    out, comm = [], 0.0
-    for layer, w, s in zip(profile.layers, whole, split):
-        f_comm = sum(collective_time(cluster, "all_reduce", n * b, group) for n in layer.tp_forward_reduces)
-        b_comm = sum(collective_time(cluster, "all_reduce", n * b, group) for n in layer.tp_backward_reduces)
-        calls = (len(layer.tp_forward_reduces) + len(layer.tp_backward_reduces)) * cluster.tp_overhead / 2
-        share = layer.tp_share
-        out.append(costs.LayerTime((1 - share) * w.forward + share * s.forward + f_comm + calls,
-                                   (1 - share) * w.backward + share * s.backward + b_comm + calls, w.weight_share))
-        comm += f_comm + b_comm
-    return out, comm
-
-
-def _tensor_activations(layers: list[costs.LayerCost], tp: int) -> float:
-    """Saved bytes per sample on one tensor rank (the split share of each layer's activations divides by tp)."""
-    shares = [x.tp_share if x.tp_activation_share is None else x.tp_activation_share for x in layers]
-    return sum(x.activation_bytes * (1 - share * (1 - 1 / tp)) for x, share in zip(layers, shares))
-
-
 def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
-    dp, accum, sharded, tp = layout.dp, layout.grad_accum, layout.sharded, layout.tp
-    b = batch // (dp * accum)
-    lt, tp_comm = _tensor_times(profile, b, cluster, layout)
+    dims, accum, sharded = layout.dims, layout.grad_accum, layout.sharded
+    b = batch // (layout.dp * accum)
+    on_rank = axes.Step(profile, cluster, dims, layout.precision, b)
+    lt, axis_comm = axes.layer_times(on_rank)
     fwd, bwd = [t.forward for t in lt], [t.backward for t in lt]
-    unit = [costs.tensor_params([layer], tp)[1] for layer in profile.layers]
-    group = pipeline_groups(cluster, dp, 1, tp)[0]
+    unit = [axes.held([layer], dims)[1] for layer in profile.layers]  # what the data-parallel axes reduce
+    ranks = axes.averaged_over(dims)  # the replicas, and the context ranks beside them
+    group = Group(ranks, ranks > 1 and ranks * dims.tp > cluster.devices_per_node)
     reduce = lambda kind: (lambda n: collective_time(cluster, kind, n, group))  # noqa: E731
     if sharded:
         quiet = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap,
                                     sync=False)
         last = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap)
         body, exposed = (accum - 1) * quiet.end + last.end, (accum - 1) * quiet.exposed + last.exposed
+    elif layout.grammar:  # replicas average in one flat all-reduce after the backward (strategies/nd.py)
+        averaged = reduce("all_reduce")(sum(unit))
+        body, exposed = accum * (sum(fwd) + sum(bwd)) + averaged, averaged
     else:
         last = overlap.ddp_backward(bwd, unit, reduce("all_reduce"), cluster.overlap)
         body = (accum - 1) * (sum(fwd) + sum(bwd)) + sum(fwd) + last.end
         exposed = last.exposed
+    after = axes.after_backward(on_rank)  # what an axis reduces itself when the window ends (experts)
+    body, exposed = body + after, exposed + after
     call = _call_overhead(profile, cluster, layout)
-    if sharded and dp > 1:  # FSDP's own cost per unit (measured by --cluster local; 0 in specs)
+    if sharded and ranks > 1:  # FSDP's own cost per unit (measured by --cluster local; 0 in specs)
         alpha, beta = cluster.fsdp_unit
         call += sum(alpha + beta * n for n in unit if n)
     overhead = accum * (call + (_loss_reduce(cluster, layout) if layout.devices > 1 else 0.0))
-    params, held = costs.tensor_params(profile.layers, tp)
-    opt = costs.optimizer_time(profile, params / (dp if sharded else 1), cluster, optimizer)
+    params, held, own_params, own_bytes = axes.held(profile.layers, dims)
+    opt = costs.optimizer_time(profile, params / (ranks if sharded else 1) + own_params, cluster, optimizer)
     step = body + overhead + opt
-    mem = memory.model_state(held, params, optimizer, dp if sharded else 1)
+    mem = memory.model_state(held, params, optimizer, ranks if sharded else 1)
+    mem.add(memory.model_state(own_bytes, own_params, optimizer))
     largest = max(unit)
     if sharded:
-        mem.buffers = 3 * largest + (held * (1 - 1 / dp) if accum > 1 else 0.0)
-    elif dp > 1:
-        mem.buffers = held  # DDP's buckets hold a copy of every gradient
-    mem.activations = memory.activations(_tensor_activations(profile.layers, tp),
-                                         max(layer.output_bytes for layer in profile.layers), b)
+        mem.buffers = 3 * largest + (held * (1 - 1 / ranks) if accum > 1 else 0.0)
+    elif ranks > 1:
+        mem.buffers = held  # DDP's buckets (or the replicas' flat buffer) hold a copy of every gradient
+    if dims.cp > 1:
+        mem.buffers += axes.context_buffers(profile, b)
+    mem.activations = memory.activations(axes.activations(profile.layers, dims),
+                                         max(layer.output_bytes for layer in profile.layers), on_rank.tokens)
     mem.data = profile.sample_bytes * b
-    compute = accum * (sum(fwd) + sum(bwd)) - accum * tp_comm
+    compute = accum * (sum(fwd) + sum(bwd)) - accum * axis_comm
     return Prediction(layout, step_s=_shared_cores(step, layout.devices * step, cluster, layout), compute_s=compute,
-                      exposed_comm_s=exposed + accum * tp_comm + (overhead - accum * call), optimizer_s=opt,
+                      exposed_comm_s=exposed + accum * axis_comm + (overhead - accum * call), optimizer_s=opt,
                       overhead_s=accum * call, memory=mem)
 
 
 def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int,
-                 send: Callable[[float], float], tp: int = 1) -> list[simulate.StageCost]:
+                 send: Callable[[float], float], dims: ParallelDims) -> list[simulate.StageCost]:
     out, start = [], 0
     for count in balance:
         part = range(start, start + count)
@@ -229,7 +211,7 @@ def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int]
         out.append(simulate.StageCost(
             forward=sum(lt[i].forward for i in part), backward=backward,
             weight_share=weight / backward if backward else 0.5,
-            activation_bytes=_tensor_activations([profile.layers[i] for i in part], tp) * b,
+            activation_bytes=axes.activations([profile.layers[i] for i in part], dims) * b,
             send=send(profile.layers[start + count - 1].output_bytes * b)))
         start += count
     return out
@@ -255,10 +237,11 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     dp, pp, per_worker, micro, tp = layout.dp, layout.pp, layout.stages_per_worker, layout.microbatches, layout.tp
     schedule = layout.schedule or "gpipe"
     b = batch // (dp * micro)
-    lt, _ = _tensor_times(profile, b, cluster, layout)
+    lt, _ = axes.layer_times(axes.Step(profile, cluster, layout.dims, layout.precision, b))
     balance = solve([t.forward + t.backward for t in lt], layout.stages)
     dp_group, pp_group = pipeline_groups(cluster, dp, pp, tp)
-    stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes), tp)
+    stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes),
+                          layout.dims)
     where = simulate.stage_ranks(schedule, pp, per_worker)
     if layout.sharded:
         tie = _tie_in_one_rank(profile, balance, where)
@@ -295,7 +278,8 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
         mem.buffers = rank_bytes[worst] if dp > 1 else 0.0  # the flat gradient copy of the replica all-reduce
     mem.data = profile.sample_bytes * batch / dp
     if cluster.kind == "cpu" and profile.built != "meta":  # the balance's trial run stays resident (memory.py)
-        build = costs.tensor_params(profile.layers, tp)[1] + memory.activations(_tensor_activations(profile.layers, tp),
+        build = costs.tensor_params(profile.layers, tp)[1] + memory.activations(axes.activations(profile.layers,
+                                                                                                  layout.dims),
                                                          max(x.output_bytes for x in profile.layers), b)
         mem.retained = max(0.0, build - mem.activations - mem.grads)
     return Prediction(layout, step_s=_shared_cores(step, work, cluster, layout), compute_s=max(run.busy),

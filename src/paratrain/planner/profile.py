@@ -11,7 +11,9 @@ model's own overhead, is its fastest repeat (`_whole_step`). FLOPs are counted w
 backward once over inputs and weights, and apart for the input and the weight gradients, which gives the
 share a zero-bubble schedule defers. Activation bytes come from the saved-tensor meter the pipelines report
 with (`parallel.pipeline.memory.ActivationMeter`), over the layers run as one chain (`_saved_in_chain`). A
-weight two layers share (a tied embedding and head) is recorded on the later one (`shared_params`).
+weight two layers share (a tied embedding and head) is recorded on the later one (`shared_params`). What the expert
+and context terms need (experts, their routing and load, attention calls and their keys' and values' bytes) is
+seen in one more forward (`axis_profile`).
 
 The whole model is then timed as one step; what it costs beyond the sum of its layers (hooks,
 Python, the loss glue) is kept as a per-call overhead, and one optimizer step is timed for its cost
@@ -25,6 +27,7 @@ import contextlib
 import functools
 import statistics
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -39,8 +42,8 @@ from ..parallel.pipeline.memory import ActivationMeter, param_bytes
 from ..parallel.pipeline.partition import layers_of
 from ..precision import apply_autocast
 from ..weights.build import all_meta, has_meta
-from . import tensor_profile
-from .costs import LayerCost, Profile
+from . import axis_profile, tensor_profile
+from .costs import AxisFacts, LayerCost, Profile
 
 Batch = Callable[[int], tuple[Any, Any]]
 
@@ -199,6 +202,28 @@ def _one_at_a_time(layers: list[tuple[str, nn.Module]], batches: dict[int, tuple
     return times, rate
 
 
+def _attention_seconds(facts: axis_profile.Facts, batch: int, device: torch.device,
+                       meta: bool) -> tuple[tuple[float, float], float]:
+    """Per sample (forward, backward) seconds of one causal attention call, and the masked factor context
+    parallelism pays (`axis_profile.time_attention`): timed only where context parallelism applies."""
+    if facts.attention_call is None or not facts.position_ids or facts.context_refused or meta:
+        return (0.0, 0.0), 1.0
+    query, key, dtype = facts.attention_call
+    try:
+        return axis_profile.time_attention(query, key, dtype, batch, device)
+    except RuntimeError as exc:  # a call whose shapes the stand-in cannot reproduce: no correction, said so
+        facts.notes.append(f"attention not timed ({str(exc).splitlines()[0][:100]}): masked factor 1.0 assumed")
+        return (0.0, 0.0), 1.0
+
+
+def _axis_fields(facts: AxisFacts | None, attention: tuple[float, float]) -> dict[str, Any]:
+    """A layer's expert and attention facts as `LayerCost` fields."""
+    if facts is None:
+        return {}
+    return {**{f.name: getattr(facts, f.name) for f in fields(facts)}, "expert_share": min(1.0, facts.expert_share),
+            "attention_s": (attention[0] * facts.attention_calls, attention[1] * facts.attention_calls)}
+
+
 def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[int], *, name: str,
             precision: str = "32", optimizer: str = "adam", repeats: int = 5,
             device: torch.device | None = None, tp_plan: dict[str, str] | None = None,
@@ -229,6 +254,8 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
                 split = tensor_profile.measure(model, x_meta, [n for n, _ in layers], tp_plan)
             saved = [t.activation_bytes for t in measured[largest]]  # each layer alone (a real chain is not built)
             wholes: dict[int, float] = {}
+            with all_meta(model):
+                facts = axis_profile.measure(model, x_meta, [n for n, _ in layers])
         else:
             measured = {b: _chain(modules, *batches[b], loss_fn, repeats) for b in sizes}
             flops = _count(modules, x_small, y_small, loss_fn)
@@ -238,6 +265,8 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
                       for b in (sizes if device.type == "cuda" else [largest])}
             saved = _saved_in_chain(modules, *batches[largest], loss_fn)
             opt_seconds = _optimizer_seconds(model, optimizer, repeats, device)
+            facts = axis_profile.measure(model, x_small, [n for n, _ in layers])
+        attention, masked = _attention_seconds(facts, largest, device, meta)
     median = statistics.median
     seconds_at = {b: [(median(t.forwards), median(t.backwards)) for t in measured[b]] for b in sizes}
     if wholes and device.type == "cuda":  # see _overlapped
@@ -265,11 +294,14 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
             tp_share=min(1.0, tp.flops / fwd) if fwd else float(tp.touched), tp_params=tp.params,
             tp_forward_reduces=tuple(tp.forward), tp_backward_reduces=tuple(tp.backward),
             shared_params=sum(n for _, n in tied), shared_with=tuple(sorted({owner for owner, _ in tied})),
+            **_axis_fields(facts.layers.get(layer_name), attention),
         ))
     profile = Profile(
         name=name, layers=costs, sample_bytes=nbytes(batches[largest]) / largest, source="measured",
         precision=precision, optimizer=optimizer, step_overhead_s=max(0.0, whole - parts), tp_width=split.width,
-        tp_note=split.note, built="meta" if meta else "whole",
+        tp_note=split.note, built="meta" if meta else "whole", top_k=facts.top_k, sequence=facts.sequence,
+        position_ids=facts.position_ids, context_refused=facts.context_refused, masked_attention=masked,
+        axes_note="; ".join(facts.notes) or None,
     )
     # the step updated each distinct parameter once
     profile.optimizer_s_per_param = opt_per_param if meta else opt_seconds / max(1, profile.params)

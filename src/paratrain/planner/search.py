@@ -1,12 +1,18 @@
 """Which layouts to predict, without enumerating blindly.
 
-For N devices: data parallelism (ddp, fsdp) over all N, with the fewest gradient-accumulation steps
-that fit in memory; pipelines of P ranks (pp when P = N, otherwise N / P replicas that copy the stages,
-ddp+pp, or shard each stage, fsdp+pp) for
-each divisor P of N up to the number of layers, each schedule, stages per worker up to what the layers
-allow; and `mp` inside one node. Where the model has a tensor-parallel plan, the same again on N / T
-devices for each tensor degree T that divides N, fits in a node and splits the plan's dimensions: tp
-alone, ddp+tp and fsdp+tp, tp+pp, ddp+tp+pp and fsdp+tp+pp. Three prunings keep 1,024 devices to seconds:
+The names come from the grammar's axes (`parallel.dims`) and the presets, built from degrees, never read off a
+list. For N devices, every shape of the model axes that applies to this model: none; a tensor degree T where the
+model has a tensor-parallel plan (T divides N and the plan's split dimensions, fits in a node); a context degree C
+where its attention can be shared out (the forward takes `position_ids`, the sequence divides into 2C chunks); T
+and C together; an expert degree E where it has experts (E divides N and every layer's experts). Each shape with the
+data-parallel ranks left as replicas (`ddp`; experts carved from them: `ep`) or shards (`fsdp`), or the name of the
+model axes alone when none are left, with the fewest gradient-accumulation steps that fit in memory. Then pipelines
+of P ranks (pp when P = N / T, otherwise N / (P T) replicas that copy the stages, ddp+pp, or shard each stage,
+fsdp+pp) for each divisor P up to the number of layers, each schedule, stages per worker up to what the layers
+allow; and `mp` inside one node. What the runtime refuses is not proposed: degrees `dims_for` refuses, and the
+combinations the N-D strategy does not build (`axes.refused`: ep with cp or pp, cp with pp or HSDP).
+
+Three prunings keep 1,024 devices to seconds:
 
 - a degree whose parameters, gradients and optimizer state alone exceed a device is predicted once,
   as the reason it does not fit, and no micro-batch count or schedule is tried for it;
@@ -18,19 +24,47 @@ alone, ddp+tp and fsdp+tp, tp+pp, ddp+tp+pp and fsdp+tp+pp. Three prunings keep 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
+from ..errors import ParatrainError
+from ..parallel.dims import canonical, is_grammar
 from ..parallel.pipeline.schedules import NAMES, row
+from . import axes
 from .cluster import Cluster
-from .costs import Profile, tensor_params
-from .layout import STRATEGIES, Layout
+from .costs import Profile
+from .layout import Layout
 from .memory import model_state
 from .predict import Prediction, capacity, predict
 
 PIPELINE_SCHEDULES = NAMES
 MAX_STAGES_PER_WORKER = 4
-ALL = STRATEGIES
+DATA_WORDS = ("ddp", "fsdp")
+"""How the data-parallel ranks left beside the model axes hold the model: replicas, or shards."""
+Wanted = Callable[[str], bool]
+
+
+def wanted(strategies: Iterable[str] | None) -> Wanted:
+    """Whether a strategy name is among `strategies` (None: every name), in any order of its words."""
+    if strategies is None:
+        return lambda name: True
+
+    def normal(name: str) -> str:
+        try:
+            return canonical(name) if is_grammar(name) else name
+        except ParatrainError:
+            return name
+
+    names = {normal(s) for s in strategies}
+    return lambda name: normal(name) in names
+
+
+def name_of(model_axes: Sequence[str], data: str | None) -> str:
+    """The grammar's name for model axes beside a data-parallel word (None: no data-parallel ranks left); experts
+    carved from replicas are plain `ep`, the grammar's default."""
+    words = list(model_axes) + ([data] if data and not (data == "ddp" and "ep" in model_axes) else [])
+    return canonical("+".join(words)) if words else "single"
 
 
 def _divisors(n: int) -> list[int]:
@@ -45,9 +79,13 @@ def _powers(low: int, high: int) -> Iterator[int]:
         m *= 2
 
 
-def _state_too_big(profile: Profile, cluster: Cluster, layout: Layout, optimizer: str,
-                   params_share: float) -> str | None:
-    held = model_state(profile.param_bytes * params_share, profile.params * params_share, optimizer)
+def _state_too_big(profile: Profile, cluster: Cluster, layout: Layout, optimizer: str) -> str | None:
+    """Parameters, gradients and optimizer state alone beyond a device (pipelines: an even share per stage)."""
+    params, size, own_params, own_bytes = axes.held(profile.layers, layout.dims)
+    shards = axes.averaged_over(layout.dims) if layout.sharded else 1
+    parts = layout.pp if layout.pipelined else 1
+    held = model_state(size / shards / parts, params / shards / parts, optimizer)
+    held.add(model_state(own_bytes / parts, own_params / parts, optimizer))
     needed = held.state + cluster.process_bytes + cluster.reserved
     available = capacity(cluster, layout)
     if available and needed > available:
@@ -56,18 +94,21 @@ def _state_too_big(profile: Profile, cluster: Cluster, layout: Layout, optimizer
     return None
 
 
-def _tensor_share(profile: Profile, tp: int) -> float:
-    return tensor_params(profile.layers, tp)[0] / profile.params if tp > 1 and profile.params else 1.0
+def _layout(strategy: str, **kwargs: Any) -> Layout | None:
+    """The layout, or None where the runtime's degrees refuse it (`dims_for`) or the N-D strategy does not build it
+    (`axes.refused`)."""
+    try:
+        layout = Layout(strategy=strategy, **kwargs)
+    except ParatrainError:
+        return None
+    return None if axes.refused(layout.dims) else layout
 
 
-def _data_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-                   strategy: str, tp: int = 1) -> list[Prediction]:
-    dp = n // tp if strategy != "single" else 1
-    base = Layout(strategy=strategy, dp=dp, tp=tp, precision=precision)
+def _data_parallel(profile: Profile, cluster: Cluster, batch: int, optimizer: str, base: Layout) -> list[Prediction]:
+    dp = base.dp
     if batch % dp:
         return [Prediction(base, fits=False, reason=f"global batch {batch} does not split over {dp} replicas")]
-    share = _tensor_share(profile, tp) / (dp if base.sharded else 1)
-    too_big = _state_too_big(profile, cluster, base, optimizer, share)
+    too_big = _state_too_big(profile, cluster, base, optimizer)
     if too_big:
         return [Prediction(base, fits=False, reason=too_big)]
     last = None
@@ -76,6 +117,56 @@ def _data_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, preci
         if last.fits:
             break
     return [last] if last else []
+
+
+def tensor_degrees(profile: Profile, cluster: Cluster, n: int) -> list[int]:
+    """Tensor degrees worth trying on n devices: they divide n and the plan's split dimensions and fit in a node."""
+    return [t for t in _divisors(n) if 2 <= t <= cluster.devices_per_node and profile.tp_width
+            and profile.tp_width % t == 0]
+
+
+def context_degrees(profile: Profile, n: int) -> list[int]:
+    """Context degrees worth trying on n devices: the model's attention can be shared out over C ranks (it calls
+    `F.scaled_dot_product_attention`, its forward takes `position_ids`), C divides n and the sequence divides into
+    2C chunks."""
+    if not profile.attention or not profile.position_ids or profile.context_refused or not profile.sequence:
+        return []
+    return [c for c in _divisors(n) if c >= 2 and profile.sequence % (2 * c) == 0]
+
+
+def expert_degrees(profile: Profile, n: int) -> list[int]:
+    """Expert degrees worth trying: they divide the data-parallel ranks (all n) and every layer's experts."""
+    return [e for e in _divisors(n) if e >= 2 and profile.experts and profile.experts % e == 0]
+
+
+def model_shapes(profile: Profile, cluster: Cluster, n: int) -> Iterator[dict[str, int]]:
+    """Degrees of the model axes beside data parallelism (ep: carved from it), each axis where it applies."""
+    yield {}
+    for tp in tensor_degrees(profile, cluster, n):
+        yield {"tp": tp}
+    for cp in context_degrees(profile, n):
+        yield {"cp": cp}
+        for tp in tensor_degrees(profile, cluster, n // cp):
+            yield {"tp": tp, "cp": cp}
+    for ep in expert_degrees(profile, n):
+        yield {"ep": ep}
+
+
+def _without_pipeline(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
+                      want: Wanted) -> list[Prediction]:
+    """Every model shape, with the data-parallel ranks left as replicas or shards (or none left)."""
+    found: list[Prediction] = []
+    for shape in model_shapes(profile, cluster, n):
+        rest = n // (shape.get("tp", 1) * shape.get("cp", 1))
+        model = [axis for axis in ("tp", "cp", "ep") if axis in shape]
+        for data in [None] if rest == 1 else DATA_WORDS:
+            strategy = name_of(model, data)
+            if strategy == "single" or not want(strategy):
+                continue
+            layout = _layout(strategy, dp=rest, precision=precision, **shape)
+            if layout is not None:
+                found += _data_parallel(profile, cluster, batch, optimizer, layout)
+    return found
 
 
 def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> Iterator[int]:
@@ -89,27 +180,24 @@ def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> 
 def _pipeline_strategies(n: int, tp: int) -> Iterator[tuple[int, str]]:
     """(pipeline ranks, strategy) for n devices per tensor group: one pipeline, or replicas of it that copy
     (ddp) or shard (fsdp) its stages."""
-    suffix = "+tp+pp" if tp > 1 else "+pp"
+    model = ("tp", "pp") if tp > 1 else ("pp",)
     for pp in _divisors(n):
-        if pp == n:
-            yield pp, suffix[1:]
-        else:
-            yield pp, "ddp" + suffix
-            yield pp, "fsdp" + suffix
+        for data in [None] if pp == n else DATA_WORDS:
+            yield pp, name_of(model, data)
 
 
 def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-               strategies: Sequence[str], schedules: Sequence[str], tp: int = 1) -> list[Prediction]:
+               want: Wanted, schedules: Sequence[str], tp: int = 1) -> list[Prediction]:
     out: list[Prediction] = []
     layers = len(profile.layers)
     for pp, strategy in _pipeline_strategies(n // tp, tp):
         dp = n // tp // pp
-        if pp < 2 or pp > layers or strategy not in strategies or batch % dp:
+        if pp < 2 or pp > layers or not want(strategy) or batch % dp:
             continue
-        probe = Layout(strategy=strategy, dp=dp, pp=pp, tp=tp, schedule="1f1b", microbatches=pp,
-                       precision=precision)
-        share = _tensor_share(profile, tp) / pp / (dp if probe.sharded else 1)
-        too_big = _state_too_big(profile, cluster, probe, optimizer, share)
+        probe = _layout(strategy, dp=dp, pp=pp, tp=tp, schedule="1f1b", microbatches=pp, precision=precision)
+        if probe is None:
+            continue
+        too_big = _state_too_big(profile, cluster, probe, optimizer)
         if too_big:
             out.append(Prediction(probe, fits=False, reason=too_big))
             continue
@@ -117,9 +205,8 @@ def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision
             for per_worker in range(1, MAX_STAGES_PER_WORKER + 1):
                 if (per_worker > 1) != row(schedule).multi_stage or pp * per_worker > layers:
                     continue
-                out += _sweep_microbatches(profile, cluster, batch, optimizer, Layout(
-                    strategy=strategy, dp=dp, pp=pp, tp=tp, stages_per_worker=per_worker, schedule=schedule,
-                    precision=precision))
+                out += _sweep_microbatches(profile, cluster, batch, optimizer, replace(
+                    probe, stages_per_worker=per_worker, schedule=schedule, microbatches=1))
     return out
 
 
@@ -150,41 +237,22 @@ def _model_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, prec
     return _sweep_microbatches(profile, cluster, batch, optimizer, base)
 
 
-def tensor_degrees(profile: Profile, cluster: Cluster, n: int) -> list[int]:
-    """Tensor degrees worth trying on n devices: they divide n and the plan's split dimensions and fit in a node."""
-    return [t for t in _divisors(n) if 2 <= t <= cluster.devices_per_node and profile.tp_width
-            and profile.tp_width % t == 0]
-
-
-def _tensor_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-                     wanted: set[str], schedules: Sequence[str]) -> list[Prediction]:
-    found: list[Prediction] = []
-    for tp in tensor_degrees(profile, cluster, n):
-        alone = ["tp"] if n == tp else ["ddp+tp", "fsdp+tp"]
-        for strategy in (s for s in alone if s in wanted):
-            found += _data_parallel(profile, cluster, n, batch, precision, optimizer, strategy, tp)
-        found += _pipelines(profile, cluster, n, batch, precision, optimizer, sorted(wanted), schedules, tp)
-    return found
-
-
 def layouts(profile: Profile, cluster: Cluster, batch: int, *, precision: str = "32", optimizer: str = "adam",
-            devices: int | None = None, strategies: Iterable[str] = ALL,
+            devices: int | None = None, strategies: Iterable[str] | None = None,
             schedules: Sequence[str] = PIPELINE_SCHEDULES) -> list[Prediction]:
-    """Predictions for every layout worth trying on `devices` devices (default: the whole cluster): those
-    that fit, fastest first, then those that do not, each with its reason."""
+    """Predictions for every layout worth trying on `devices` devices (default: the whole cluster), among
+    `strategies` (None: every one): those that fit, fastest first, then those that do not, each with its reason."""
     n = devices or cluster.devices
-    wanted = set(strategies)
+    want = wanted(strategies)
     found: list[Prediction] = []
-    if n == 1 and "single" in wanted:
-        found += _data_parallel(profile, cluster, 1, batch, precision, optimizer, "single")
-    for strategy in ("ddp", "fsdp"):
-        if n > 1 and strategy in wanted:
-            found += _data_parallel(profile, cluster, n, batch, precision, optimizer, strategy)
+    if n == 1 and want("single"):
+        found += _data_parallel(profile, cluster, batch, optimizer, Layout(strategy="single", precision=precision))
     if n > 1:
-        found += _pipelines(profile, cluster, n, batch, precision, optimizer, sorted(wanted), schedules)
-    if "mp" in wanted and cluster.kind == "cuda":
+        found += _without_pipeline(profile, cluster, n, batch, precision, optimizer, want)
+        for tp in [1, *tensor_degrees(profile, cluster, n)]:
+            found += _pipelines(profile, cluster, n, batch, precision, optimizer, want, schedules, tp)
+    if want("mp") and cluster.kind == "cuda":
         found += _model_parallel(profile, cluster, n, batch, precision, optimizer)
-    found += _tensor_parallel(profile, cluster, n, batch, precision, optimizer, wanted, schedules)
     fitting = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
     return fitting + [p for p in found if not p.fits]
 
@@ -198,7 +266,7 @@ def best_by_strategy(predictions: Iterable[Prediction]) -> dict[str, Prediction]
 
 
 def scaling(profile: Profile, cluster: Cluster, batch: int, *, precision: str = "32", optimizer: str = "adam",
-            strategies: Iterable[str] = ALL) -> dict[int, dict[str, Prediction]]:
+            strategies: Iterable[str] | None = None) -> dict[int, dict[str, Prediction]]:
     """The best layout of each strategy at 1, 2, 4, ... devices up to the cluster's size (for the plot)."""
     counts = [n for n in _powers(1, cluster.devices)
               if n <= cluster.devices_per_node or n % cluster.devices_per_node == 0]

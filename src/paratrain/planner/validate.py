@@ -49,13 +49,30 @@ from .predict import predict
 MICROBATCHES = (1, 2, 4, 8)
 
 
-def local_layouts(precision: str = "32", cluster: Cluster | None = None) -> list[Layout]:
+def local_layouts(precision: str = "32", cluster: Cluster | None = None, profile: Profile | None = None
+                  ) -> list[Layout]:
     """What fits a 2-core machine: single, ddp 2, fsdp 2, pp 2 at M in {1, 2, 4, 8} for each schedule
     (interleaved and zero-bubble with 2 stages per worker), mp 2, ddp+pp 2 x 2, tp 2, and the N-D layouts of 4
-    workers (more workers than cores: the planner must predict them slow): fsdp+tp, tp+pp and fsdp+pp.
+    workers (more workers than cores: the planner must predict them slow): fsdp+tp, tp+pp and fsdp+pp; and, for a
+    `profile` they apply to (`search.expert_degrees`, `search.context_degrees`), ep 2 and fsdp+ep 2, cp 2.
     On GPUs one worker per GPU: single, and with n GPUs ddp, fsdp and tp over all n and pp n (1F1B, M=4, 8)."""
     if cluster is not None and cluster.kind == "cuda":
         return gpu_layouts(cluster.devices, precision)
+    return _cpu_layouts(precision) + (_axis_layouts(profile, precision) if profile is not None else [])
+
+
+def _axis_layouts(profile: Profile, precision: str) -> list[Layout]:
+    from .search import context_degrees, expert_degrees
+
+    out = []
+    if 2 in expert_degrees(profile, 2):
+        out += [Layout(strategy=s, dp=2, ep=2, precision=precision) for s in ("ep", "fsdp+ep")]
+    if 2 in context_degrees(profile, 2):
+        out.append(Layout(strategy="cp", cp=2, precision=precision))
+    return out
+
+
+def _cpu_layouts(precision: str) -> list[Layout]:
     out = [Layout(strategy="single", precision=precision), Layout(strategy="ddp", dp=2, precision=precision),
            Layout(strategy="fsdp", dp=2, precision=precision)]
     for schedule in NAMES:
@@ -84,6 +101,8 @@ def gpu_layouts(gpus: int, precision: str = "32") -> list[Layout]:
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     workload: str
+    gpt_size: str | None = None
+    """A size of the GPT workloads (`measure/gpt.py`), as the profile was measured; None: the default."""
     gpu: bool = False
     """The workload as it runs on GPUs (`workloads.get(gpu=True)`: GPT-2 small, the tutorials' ResNet-50 images)."""
     batch: int
@@ -125,7 +144,7 @@ def worker(options: dict[str, Any], settings: Settings, accum: int) -> dict[str,
 
     from ..measure import workloads
 
-    workload = workloads.get(settings.workload, gpu=settings.gpu)
+    workload = workloads.get(settings.workload, gpu=settings.gpu, gpt_size=settings.gpt_size)
     if options.get("tp_size", 1) > 1 and workload.tp_plan:
         options = {**options, "tp_plan": workload.tp_plan}  # the plan the profile measured
     run = paratrain.setup(**options, seed=0, timeout_s=settings.timeout_s)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import unknown_name
+from ..errors import ParatrainError, unknown_name
 from .base import Context, Strategy
 
 TABLE: dict[str, str] = {
@@ -32,8 +32,27 @@ def get(name: str) -> Strategy:
     return strategy
 
 
+GRAMMAR_EXAMPLES = ("tp", "fsdp+tp", "ddp+tp", "ddp+fsdp", "ep", "cp")
+"""N-D layouts of the grammar offered by name beside the presets (`paratrain bench --strategies all`); any other
+name of the grammar is accepted too."""
+
+
 def names() -> list[str]:
     return list(TABLE)
 
 
-__all__ = ["Context", "Strategy", "TABLE", "get", "names"]
+def offered() -> list[str]:
+    """The presets, then the grammar's examples: every layout a tool lists when asked for all of them."""
+    return [*TABLE, *GRAMMAR_EXAMPLES]
+
+
+def is_known(name: str) -> bool:
+    """A preset, or a valid name of the grammar."""
+    try:
+        get(name)
+    except ParatrainError:
+        return False
+    return True
+
+
+__all__ = ["Context", "GRAMMAR_EXAMPLES", "Strategy", "TABLE", "get", "is_known", "names", "offered"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..parallel.dims import ParallelDims, of_strategy
+from ..parallel.dims import ParallelDims
 from ..runtime import Placement
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -30,9 +30,12 @@ class Context:
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
-        """The layout's degrees, built and validated once per context (`parallel.dims.of_strategy`): every part
-        that needs a degree asks here instead of reading the strategy's name again."""
-        return of_strategy(self.config, self.placement.world_size)
+        """The layout's degrees, built and validated once per context by the strategy itself (`Strategy.degrees`;
+        `setup` checks them before any process group starts): every part that needs a degree asks here instead of
+        reading the strategy's name again."""
+        from . import get
+
+        return get(self.config.strategy).degrees(self.config, self.placement.world_size)
 
 
 class Strategy(Protocol):
@@ -51,6 +54,10 @@ class Strategy(Protocol):
     """A pipeline schedule (`schedule=`) orders the micro-batches' work across processes."""
     comm_hooks: bool
     """Takes a DDP communication hook (`comm_hook=`) for its gradient all-reduce."""
+
+    def degrees(self, config: Config, world: int) -> ParallelDims:
+        """This layout's degrees on `world` workers (a preset's fixed shape, or the grammar's from the config's
+        sizes, refused with every factor where they do not fit): what `Context.dims` holds."""
 
     def check(self, ctx: Context) -> None:
         """Reject a job this strategy cannot run (here: this world size, these devices), naming the fix."""

@@ -10,9 +10,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._tree import map_tensors
+from ..config import Config
 from ..errors import ParatrainError
+from ..parallel import parallelize
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import apply_ddp, evaluate, forward_backward, set_ddp_sync
+from ..parallel.dims import ParallelDims
 from .base import Backward, Context, LossFn
 
 
@@ -23,6 +26,10 @@ class DDP:
     microbatched = False
     scheduled = False
     comm_hooks = True
+
+    def degrees(self, config: Config, world: int) -> ParallelDims:
+        """Every worker a replica; `check` refuses a world this layout cannot run."""
+        return ParallelDims(dp_replicate=world)
 
     def check(self, ctx: Context) -> None:
         if not dist.is_available():
@@ -42,6 +49,7 @@ class DDP:
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
                              "strategy 'ddp'", modules_run=True).to(ctx.device)
+        parallelize.blocks(model, ctx)
         example = map_tensors(lambda t: t.to(ctx.device), example) if example is not None else None
         return apply_ddp(model, ctx.config, [ctx.device.index] if ctx.device.type == "cuda" else None,
                          example=example, device=ctx.device)

@@ -14,9 +14,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..collectives import max_over_world, mean_later, mean_over_world
+from ..config import Config
 from ..errors import ParatrainError
+from ..parallel import parallelize
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import apply_ddp, evaluate, set_ddp_sync
+from ..parallel.dims import ParallelDims
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_balance_entries
 from ..parallel.pipeline.mp_pipeline import MPPipeline, train_step
@@ -31,6 +34,11 @@ class DataModelParallel:
     microbatched = True
     scheduled = False
     comm_hooks = False
+
+    def degrees(self, config: Config, world: int) -> ParallelDims:
+        """Every worker a replica (of a model split over its process's devices); `check` refuses a world this
+        layout cannot run."""
+        return ParallelDims(dp_replicate=world)
 
     def check(self, ctx: Context) -> None:
         k, local = ctx.config.devices_per_worker, ctx.placement.local_world_size
@@ -55,7 +63,7 @@ class DataModelParallel:
         pipe = MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example, strategy=self.name,
                           verbose=ctx.placement.rank == 0, agree=lambda values: mean_over_world(values, ctx.device),
                           batchnorm=cfg.batchnorm)
-        return apply_ddp(pipe, cfg, device_ids=None)
+        return apply_ddp(parallelize.stages(pipe, ctx), cfg, device_ids=None)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return ctx.placement.rank, ctx.placement.world_size

@@ -15,10 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import Config
 from ..errors import ParatrainError
+from ..parallel import parallelize
 from ..parallel.batchnorm import for_replicas
 from ..parallel.data_parallel import evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import apply_fsdp, set_fsdp_sync
+from ..parallel.dims import ParallelDims
 from ..weights.build import place
 from .base import Backward, Context, LossFn
 
@@ -30,6 +33,10 @@ class FSDP:
     microbatched = False
     scheduled = False
     comm_hooks = False
+
+    def degrees(self, config: Config, world: int) -> ParallelDims:
+        """Every worker a shard; `check` refuses a world this layout cannot run."""
+        return ParallelDims(dp_shard=world)
 
     def check(self, ctx: Context) -> None:
         try:
@@ -46,6 +53,7 @@ class FSDP:
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         model = for_replicas(model, ctx.config.batchnorm, ctx.device, ctx.placement.world_size, True,
                              "strategy 'fsdp'", modules_run=True)
+        parallelize.blocks(model, ctx)
         return apply_fsdp(place(model, ctx.device), precision=ctx.config.precision)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:

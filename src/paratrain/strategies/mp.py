@@ -12,8 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import Config
 from ..errors import ParatrainError
+from ..parallel import parallelize
 from ..parallel.data_parallel import evaluate
+from ..parallel.dims import ParallelDims
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_balance_entries
 from ..parallel.pipeline.mp_pipeline import MPPipeline, train_step
@@ -28,6 +31,10 @@ class ModelParallel:
     microbatched = True
     scheduled = False
     comm_hooks = False
+
+    def degrees(self, config: Config, world: int) -> ParallelDims:
+        """One process (its stages' devices are not ranks); `check` refuses a world this layout cannot run."""
+        return ParallelDims()
 
     def check(self, ctx: Context) -> None:
         if ctx.placement.world_size > 1:
@@ -52,7 +59,8 @@ class ModelParallel:
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         cfg = ctx.config
-        return MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example, batchnorm=cfg.batchnorm)
+        return parallelize.stages(MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example,
+                                             batchnorm=cfg.batchnorm), ctx)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1

@@ -12,7 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import Config
 from ..errors import ParatrainError
+from ..parallel import parallelize
+from ..parallel.dims import ParallelDims
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_pipeline
 from ..parallel.pipeline import schedules
@@ -27,6 +30,10 @@ class Pipeline:
     microbatched = True
     scheduled = True
     comm_hooks = False
+
+    def degrees(self, config: Config, world: int) -> ParallelDims:
+        """Every worker a pipeline rank; `check` refuses a world this layout cannot run."""
+        return ParallelDims(pp=world)
 
     def check(self, ctx: Context) -> None:
         world, pp = ctx.placement.world_size, ctx.config.pp_size
@@ -54,12 +61,12 @@ class Pipeline:
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
         cfg = ctx.config
-        return PipelineModule(
+        return parallelize.stages(PipelineModule(
             model, schedule=cfg.schedule, pp_rank=ctx.placement.rank, pp=ctx.placement.world_size,
             per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
             balance=cfg.balance, example=example, strategy=self.name, batchnorm=cfg.batchnorm,
             checkpointing=cfg.activation_checkpointing, compiling=cfg.compiling,
-        )
+        ), ctx)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1  # every stage of the one pipeline sees the same batches

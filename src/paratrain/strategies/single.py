@@ -7,8 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import Config
 from ..errors import ParatrainError
+from ..parallel import parallelize
 from ..parallel.data_parallel import evaluate, forward_backward
+from ..parallel.dims import ParallelDims
 from .base import Backward, Context, LossFn
 
 
@@ -19,6 +22,10 @@ class Single:
     microbatched = False
     scheduled = False
     comm_hooks = False
+
+    def degrees(self, config: Config, world: int) -> ParallelDims:
+        """One process; `check` refuses a world this layout cannot run."""
+        return ParallelDims()
 
     def check(self, ctx: Context) -> None:
         if ctx.placement.world_size > 1:
@@ -34,6 +41,7 @@ class Single:
         return [ctx.device]
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
+        parallelize.blocks(model, ctx)
         return model.to(ctx.device)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:

@@ -137,12 +137,14 @@ def _grouped_forward(module: nn.Module, inner: Any, experts: Experts, local: int
         kept = chosen < experts.count  # an index equal to the count marks "no expert" in Hugging Face's code
         order, chosen = order[kept], chosen[kept]
         tokens = order // k
-        owner = chosen // local
-        send = torch.bincount(owner, minlength=groups.size)
-        recv = dispatch.counts(send, groups.group)
-        sends, recvs = send.tolist(), recv.tolist()
+        # Counts per expert, not per rank: the receiver then knows each row's expert from where it sits (rows come
+        # sorted by expert from every rank), so no ids travel.
+        per_expert = torch.bincount(chosen, minlength=experts.count)
+        from_each = dispatch.counts(per_expert, groups.group).view(groups.size, local)  # [rank, my expert]
+        sends, recvs = per_expert.view(groups.size, local).sum(1).tolist(), from_each.sum(1).tolist()
         rows = dispatch.exchange(hidden_states[tokens], sends, recvs, groups.group)
-        ids = dispatch.exchange_ids(chosen - owner * local, sends, recvs, groups.group)
+        ids = torch.arange(local, device=rows.device).repeat(groups.size).repeat_interleave(
+            from_each.reshape(-1).to(rows.device))
         ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
         with _own_experts(module, local):
             computed = inner(rows, ids[:, None], ones)

@@ -34,13 +34,6 @@ def exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -
     return wait_tensor(all_to_all_single_autograd(rows.contiguous(), recv, send, group))
 
 
-def exchange_ids(ids: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-    """As `exchange`, for integers that carry no gradient (which expert each row is for)."""
-    out = ids.new_empty((sum(recv), *ids.shape[1:]))
-    dist.all_to_all_single(out, ids.contiguous(), recv, send, group=group)
-    return out
-
-
 def agree(label: int, rows: int, group: Any, size: int, where: str) -> list[int]:
     """Every rank of `group` is about to call the same expert (`label`): their row counts, or a refusal naming the
     block, since a rank that skipped an expert would pair its collectives with another expert's."""

@@ -47,26 +47,20 @@ class Rows:
     replicas: int = 1
     parts: int = 1
     """Forwards per step of one replica (accumulation steps, or a pipeline's micro-batches)."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Every set of ranks that load different rows of one step (`ParallelDims.replica_groups`); empty: the world."""
     _group: Any = field(default=None, repr=False)
     _made: bool = False
 
     def group(self) -> Any:
-        """The data-parallel ranks, made on first use (collective: every rank runs the same forward)."""
+        """This rank's data-parallel ranks, made on first use (collective: every rank runs the same forward and
+        makes every group, in the same order)."""
         if not self._made:
             self._made = True
-            if self.replicas < dist.get_world_size():
-                every: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(every, self.replica)
-                place: list[int] = []  # a rank's position among the ranks of its replica (its tp/pp coordinates)
-                taken: dict[int, int] = {}
-                for replica in every:
-                    place.append(taken.get(replica, 0))
-                    taken[replica] = place[-1] + 1
-                for position in sorted(set(place)):
-                    ranks = [q for q, p in enumerate(place) if p == position]
-                    made = dist.new_group(ranks)
-                    if dist.get_rank() in ranks:
-                        self._group = made
+            for ranks in self.groups if len(self.groups) > 1 else ():
+                made = dist.new_group(list(ranks))
+                if dist.get_rank() in ranks:
+                    self._group = made
         return self._group
 
 
