@@ -3,6 +3,7 @@ tests/test_context_parallel.py in one process).
 
 Mixtures of experts: a user decoder written the common way (a router `Linear`, top-k softmax, experts as a
 `ModuleList` of feed-forward blocks, optionally the Switch load-balancing loss over the tokens its forward sees),
+the same decoder with its experts in the grouped form (`user-grouped`),
 and Hugging Face Mixtral and Qwen2-MoE from tiny configs with their library's defaults. Long sequences (`LONG`):
 a user RoPE decoder with SDPA that takes `position_ids`, and Hugging Face Llama, at sequence 64."""
 
@@ -65,13 +66,45 @@ class MoE(nn.Module):
         return out.reshape_as(x)
 
 
+class GroupedExperts(nn.Module):
+    """The user's experts in the grouped form docs/parallelism.md shows: weights stacked on a first dimension of
+    `num_experts`, called with each row's chosen experts and their weights (one exchange a layer under ep)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.num_experts = EXPERTS
+        self.up = nn.Parameter(torch.randn(EXPERTS, 2 * width, width) * 0.1)
+        self.down = nn.Parameter(torch.randn(EXPERTS, width, 2 * width) * 0.1)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.up.shape[0]):
+            rows, slot = torch.where(top_k_index == e)
+            h = F.gelu(hidden_states[rows] @ self.up[e].T) @ self.down[e].T
+            out = out.index_add(0, rows, top_k_weights[rows, slot, None] * h)
+        return out
+
+
+class GroupedMoE(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, EXPERTS, bias=False)
+        self.experts = GroupedExperts(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = F.softmax(self.router(flat), dim=-1).topk(2, dim=-1)
+        return self.experts(flat, chosen, weights / weights.sum(-1, keepdim=True)).reshape_as(x)
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, balance: str | None) -> None:
+    def __init__(self, width: int, balance: str | None, grouped: bool = False) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
-        self.moe = MoE(width, balance)
+        self.moe: nn.Module = GroupedMoE(width) if grouped else MoE(width, balance)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, c = x.shape
@@ -81,11 +114,11 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, balance: str | None = None) -> None:
+    def __init__(self, balance: str | None = None, grouped: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
-        self.blocks = nn.ModuleList(Block(WIDTH, balance) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(WIDTH, balance, grouped) for _ in range(2))
         self.ln = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
         self.balance = balance
@@ -163,6 +196,8 @@ def build(name: str) -> nn.Module:
                                                   max_position_embeddings=LONG_SEQ))
     if name in ("user", "user-clip"):
         return Decoder()
+    if name == "user-grouped":
+        return Decoder(grouped=True)
     if name in ("user-aux", "user-aux-global"):
         return Decoder("local" if name == "user-aux" else "global")
     import transformers as tf

@@ -23,7 +23,7 @@ from paratrain.parallel import step_state
 from paratrain.parallel.expert import router_stats
 from paratrain.parallel.expert.apply import Groups, apply_ep
 
-RUNS = (("ep", 2, ("user", "mixtral", "qwen2_moe", "user-aux-global", "mixtral-aux", "user-clip"), 2),
+RUNS = (("ep", 2, ("user", "user-grouped", "mixtral", "qwen2_moe", "user-aux-global", "mixtral-aux", "user-clip"), 2),
         ("fsdp+ep", 4, ("user", "mixtral", "mixtral-aux"), 4),
         ("fsdp+ep:2", 4, ("user-aux-global", "qwen2_moe", "user-clip", "mixtral-clip"), 2),
         ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1),

@@ -1,9 +1,11 @@
 """The architecture's rules, checked: strategies load lazily from one table, no strategy module imports
-another, the micro-step needs no forward hooks, and the optimizer is never re-pointed after prepare."""
+another, the micro-step needs no forward hooks, the optimizer is never re-pointed after prepare, and
+docs/architecture.md names every module."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from paratrain import strategies
 from paratrain.config import STRATEGY_NAMES
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
+ARCHITECTURE = SRC.parents[1] / "docs" / "architecture.md"
 
 
 @pytest.mark.procs
@@ -157,3 +160,13 @@ def test_a_replaced_forward_is_recorded_and_undone() -> None:
     _forwards.restore(model)
     _forwards.restore(model)
     assert _forwards.replaced(model) == [] and "forward" not in model.__dict__
+
+
+def test_every_module_is_named_in_the_architecture_doc() -> None:
+    """docs/architecture.md is where a newcomer looks up a file's one job, so it must name every module."""
+    text = ARCHITECTURE.read_text()
+    fence = re.compile(r"^```.*?^```", flags=re.S | re.M)  # a fenced block (the data-path diagram) is one span
+    spans = fence.findall(text) + re.findall(r"`[^`]*`", fence.sub("", text))
+    missing = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if p.name != "__init__.py"
+                     and not any(re.search(rf"(?<!\w){re.escape(p.stem)}(?!\w)", span) for span in spans))
+    assert not missing, f"modules docs/architecture.md does not name in backticks: {missing}"

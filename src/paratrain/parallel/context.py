@@ -57,21 +57,23 @@ def shares(length: int, size: int, rank: int) -> torch.Tensor:
 class _Gather:
     """The group's shares of a tensor along one dimension, back in sequence order (differentiable)."""
 
-    def __init__(self, group: Any, size: int, order: torch.Tensor) -> None:
+    def __init__(self, group: Any, size: int) -> None:
         self.group, self.size = group, size
-        self.order = order
-        """Where each gathered position goes: the inverse of the concatenated shares."""
 
     def __call__(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        whole = self.shares(t, dim)
-        return whole.index_select(dim, self.order.to(whole.device))
+        """Rank r's share is its chunks r and 2*size-1-r (`shares`): the chunks are put back in order as whole
+        slices (one copy, and slices in the backward), not token by token."""
+        pieces = self.shares(t, dim).chunk(2 * self.size, dim)  # rank r's head at 2r, its tail at 2r+1
+        heads = [pieces[2 * r] for r in range(self.size)]
+        tails = [pieces[2 * r + 1] for r in reversed(range(self.size))]
+        return torch.cat(heads + tails, dim)
 
     def shares(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """The group's shares of `t` along `dim`, rank after rank (not in sequence order)."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+        from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
 
         moved = t.movedim(dim, 0).contiguous()
-        return wait_tensor(all_gather_tensor_autograd(moved, 0, self.group)).movedim(0, dim)
+        return wait_tensor(all_gather_single_autograd(moved, 0, self.group)).movedim(0, dim)
 
 
 def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor,
@@ -149,14 +151,14 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
             "given, sets the positions its rotary or absolute embeddings use (Hugging Face models have one), or "
             "drop 'cp' from the strategy")
     inner, calls = model.forward, [0]
-    layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    gather = _Gather(group, size)
 
-    def layout(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's positions of a sequence of `length`, the group's positions rank after rank (as a gather
-        returns them), and the order that puts them back: integers fixed by the length, made once per length."""
+    def layout(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's positions of a sequence of `length`, and the group's positions rank after rank (as a gather
+        returns them): integers fixed by the length, made once per length."""
         if length not in layouts:
-            every = torch.cat([shares(length, size, r) for r in range(size)])
-            layouts[length] = shares(length, size, rank), every, torch.argsort(every)
+            layouts[length] = shares(length, size, rank), torch.cat([shares(length, size, r) for r in range(size)])
         return layouts[length]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -165,8 +167,7 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
             raise ParatrainError("context parallelism: the model's inputs hold no tensor with a sequence dimension "
                                  "(batch, sequence, ...) to share out")
         length = found[0].shape[1]
-        mine, every, order = layout(length)
-        gather = _Gather(group, size, order)
+        mine, every = layout(length)
         cut = lambda t: t.index_select(1, mine.to(t.device)) if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
         args, kwargs = map_tensors(cut, (args, kwargs))
         kwargs.setdefault("position_ids", mine.to(found[0].device)[None, :].expand(found[0].shape[0], -1))

@@ -184,10 +184,10 @@ def _expert_time(step: Step, i: int, t: LayerTime) -> Timed:
         group_work = step.at(step.tokens * ep)[i]  # every rank waits while each owner computes for the group
         compute = _plus(t, layer.expert_share * (group_work.forward - t.forward),
                         layer.expert_share * (group_work.backward - t.backward))
-    else:  # one exchange per module: counts, rows, expert ids; back; the rows' gradients both ways
+    else:  # one exchange per module: the per-expert counts, the rows there and back; the rows' gradients both ways
         modules = layer.moe_modules
         extra = step.cluster.expert_overhead / 2
-        forward = modules * (2 * a2a(8 * ep) + 2 * a2a(per_module) + extra)  # the counts and ids: latency, mostly
+        forward = modules * (a2a(8 * layer.experts) + 2 * a2a(per_module) + extra)  # the counts: latency, mostly
         backward = modules * (2 * a2a(per_module) + extra)
         slow = step.profile.imbalance(ep) - 1  # the busiest rank's rows set the pace
         compute = _plus(t, layer.expert_share * slow * t.forward, layer.expert_share * slow * t.backward)
