@@ -118,6 +118,20 @@ def test_a_context_layout_keeps_one_cp_th_of_the_activations() -> None:
     assert "12 tokens do not divide" in (predict.predict(odd, Layout(strategy="cp", cp=4), c, 8).reason or "")
 
 
+def test_every_context_rank_pays_the_whole_sequences_loss() -> None:
+    """The last layer is timed with the loss of the rank's share; under cp each rank takes the loss of the whole
+    gathered sequences, (rows - rows / cp) samples more, forward and backward."""
+    prof, c = _profile(), _cluster()
+    dims = ParallelDims(dp_replicate=1, cp=4)
+    step = axes.Step(prof, c, dims, "32", 8.0)
+    last = len(prof.layers) - 1
+    plain, _ = axes.TERMS[0].time(step, last, step.at(step.tokens)[last])
+    lossy = axes.Step(replace(prof, loss_s=(0.01, 0.02)), c, dims, "32", 8.0)
+    charged, _ = axes.TERMS[0].time(lossy, last, lossy.at(lossy.tokens)[last])
+    assert charged.forward - plain.forward == pytest.approx(0.01 * (8 - 2))
+    assert charged.backward - plain.backward == pytest.approx(0.02 * (8 - 2))
+
+
 # -- what the search proposes -------------------------------------------------------------------------------------
 
 

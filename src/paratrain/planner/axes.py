@@ -12,8 +12,9 @@ each axis in turn rewrites it. A new axis is one more entry.
          column-split Linear backward over the tensor ranks, and DTensor's per-call cost (`Cluster.tp_overhead`)
     cp   1/cp of every sequence's tokens (attention too, load-balanced); per attention call an all-gather of the
          keys and values forward and a reduce-scatter of their gradients backward over the cp ranks; attention under
-         an explicit causal mask (`Profile.masked_attention`); the outputs gathered; activations / cp; the
-         replicated weights' gradients averaged over dp x cp
+         an explicit causal mask (`Profile.masked_attention`); the outputs gathered and the loss taken on the whole
+         sequences on every rank (`Profile.loss_s`); activations / cp; the replicated weights' gradients averaged
+         over dp x cp
     ep   per MoE module the dispatch and combine all-to-alls forward and again backward, bytes = tokens per rank x
          top_k x hidden x dtype bytes, over the ep group; listed experts exchange once per expert call, in turn, so
          every rank waits for the group's whole expert work; grouped experts compute their own rows at once, the
@@ -141,10 +142,13 @@ def _context_time(step: Step, i: int, t: LayerTime) -> Timed:
         forward += layer.attention_calls * step.collective("all_gather", kv, group)
         backward += layer.attention_calls * step.collective("reduce_scatter", kv, group)
     comm = forward + backward
-    if i == len(step.profile.layers) - 1:  # the outputs gathered back into whole sequences
+    if i == len(step.profile.layers) - 1:  # the outputs gathered back into whole sequences, and the loss taken on
+        # them on every rank: the last layer was timed with the loss of the rank's share of the tokens only
         out = layer.output_bytes * step.rows
         gather, scatter = step.collective("all_gather", out, group), step.collective("reduce_scatter", out, group)
         forward, backward, comm = forward + gather, backward + scatter, comm + gather + scatter
+        whole = step.rows - step.tokens
+        forward, backward = forward + step.profile.loss_s[0] * whole, backward + step.profile.loss_s[1] * whole
     extra = step.profile.masked_attention - 1  # the layers were timed with causal attention, which skips blocks
     forward += extra * layer.attention_s[0] * step.tokens
     backward += extra * layer.attention_s[1] * step.tokens

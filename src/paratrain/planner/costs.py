@@ -148,6 +148,9 @@ class Profile:
     blocks only when told the attention is causal."""
     axes_note: str | None = None
     """What the expert and context terms could not measure and assumed instead."""
+    loss_s: tuple[float, float] = (0.0, 0.0)
+    """(forward, backward) seconds of the loss per sample, measured after the last layer (whose time includes them):
+    under context parallelism every rank computes the whole sequences' loss, not its share's (0: not measured)."""
 
     @property
     def params(self) -> int:

@@ -302,6 +302,7 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         tp_note=split.note, built="meta" if meta else "whole", top_k=facts.top_k, sequence=facts.sequence,
         position_ids=facts.position_ids, context_refused=facts.context_refused, masked_attention=masked,
         axes_note="; ".join(facts.notes) or None,
+        loss_s=(seconds_at[largest][-1][0] / largest, seconds_at[largest][-1][1] / largest),
     )
     # the step updated each distinct parameter once
     profile.optimizer_s_per_param = opt_per_param if meta else opt_seconds / max(1, profile.params)
