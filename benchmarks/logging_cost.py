@@ -22,7 +22,7 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +33,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _emit import commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "all_reduce", "log", "log+profile")
@@ -106,14 +109,6 @@ def attribution(burn_s: float, steps: int, folder: str) -> dict[str, Any]:
             "per_rank_ms": [{k: round(v * 1e3, 3) for k, v in vars(t).items()} for t in prof.ranks]}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -122,7 +117,7 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="paratrain-logcost-")
     launch = dict(nproc=2, timeout=600, accelerator="cpu", threads_per_worker=1, prefix_output=False)
     results: dict[str, Any] = {
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _commit(), "torch": torch.__version__,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit(), "torch": torch.__version__,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": __import__("os").cpu_count()},
         "cost": [paratrain.launch(cost, w, b, steps, repeat, f"{folder}/{w}", **launch)
                  for w, b in ((16, 16), (512, 256))],

@@ -31,9 +31,7 @@ import argparse
 import contextlib
 import os
 import platform
-import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,12 +42,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from paratrain.measure import stats
 from paratrain.observe import stragglers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _emit import emit  # noqa: E402
+from _emit import commit, emit  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = ((16, 16), (512, 256))
 """(width, global batch): a tiny model, where a fixed cost per step shows most, and one of about 10 ms a step."""
 PAIRS = (1500, 800)
@@ -141,22 +139,6 @@ def own_work(width: int, batch: int, blocks: int = 40, steps: int = 100) -> dict
             "blocks": blocks, "steps_per_block": steps, "windows": windows}
 
 
-def _interval(on: list[float], off: list[float], draws: int = 2000) -> tuple[float, float]:
-    """95% bootstrap interval of the median paired ratio (steps resampled in their pairs, fixed seed)."""
-    rng = random.Random(0)
-    ratios = [a / b for a, b in zip(on, off)]
-    medians = sorted(statistics.median(rng.choice(ratios) for _ in ratios) for _ in range(draws))
-    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?")
@@ -171,31 +153,30 @@ def main() -> None:
                         for threshold in (0.2, None))
         on, off = got.pop("on"), got.pop("off")
         step = statistics.median(off)
-        paired = statistics.median(a / b for a, b in zip(on, off))
-        low, high = _interval(on, off)
-        control_ratio = statistics.median(a / b for a, b in zip(control["on"], control["off"]))
+        ratio, control_pair = stats.paired_ratio(on, off), stats.paired_ratio(control["on"], control["off"])
+        paired, control_ratio = ratio.value, control_pair.value
         window_s = max(stragglers.MIN_WINDOW_S, 20 * step)
         gather = statistics.mean(got["gather_s"]) if got["gather_s"] else 0.0
         share = {"own_work": work["added_s"] / step, "all_reduce": gather / window_s}
         row = {"width": width, "global_batch": batch, "pairs": len(on), **got,
                "on_median_s": statistics.median(on), "off_median_s": step, "median_paired_ratio": paired,
-               "paired_ratio_ci95": [low, high],
+               "paired_ratio_ci95": ratio.interval,
                "control": {"median_paired_ratio": control_ratio,
-                           "paired_ratio_ci95": _interval(control["on"], control["off"])},
+                           "paired_ratio_ci95": control_pair.interval},
                "all_reduce_mean_s": gather, "window_s": window_s,
                "share_of_step": share, "overhead": sum(share.values()),
                **{name: [round(v, 7) for v in values] for name, values in  # 0.1 us: the file stays small
                   (("on_s", on), ("off_s", off))}}
         rows.append(row)
         print(f"width {width}, batch {batch}: DDP step {step * 1e3:.3f} ms off, {row['on_median_s'] * 1e3:.3f} ms on, "
-              f"paired ratio {paired:.4f} (95% {low:.4f}-{high:.4f}; control A A {control_ratio:.4f}); own work "
+              f"paired ratio {ratio.text()} (control A A {control_ratio:.4f}); own work "
               f"{work['added_s'] * 1e6:+.1f} us a step ({share['own_work'] * 100:.2f}%), all-reduce "
               f"{gather * 1e3:.2f} ms a window of {window_s:.2f} s ({share['all_reduce'] * 100:.2f}%): overhead "
               f"{row['overhead'] * 100:.2f}%", file=sys.stderr, flush=True)
     emit({"what": "slow-rank check on vs off: 2 CPU DDP workers (gloo), MLP, SGD, single steps alternated A B B A, "
                   "with an A A control; its own work per step in one process; its all-reduce where it gathered",
           "own_work_one_process": {"width": SIZES[0][0], "global_batch": SIZES[0][1], **work},
-          "commit": _commit(), "torch": torch.__version__,
+          "commit": commit(), "torch": torch.__version__,
           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                       "load_average": os.getloadavg()}, "sizes": rows})
 
