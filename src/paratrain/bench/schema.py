@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .. import strategies
+from ..errors import ParatrainError
 from ..measure import stats
 from ..strategies.base import Strategy
 from .jobs import CEILING, REFERENCE, Spec
@@ -54,13 +55,16 @@ _REFERS_TO = {reference: strategy for strategy, reference in REFERENCE.items()}
 
 def known(name: str) -> bool:
     """A strategy of the registry (a preset or a name of the grammar), a hand-written reference, or the ceiling."""
-    return name in _REFERS_TO or name == CEILING or strategies.is_known(name)
+    return name in _REFERS_TO or name == CEILING or _strategy(name) is not None
 
 
 def _strategy(name: str) -> Strategy | None:
     """The strategy a run measured (a hand-written reference as the strategy it is written for)."""
     name = _REFERS_TO.get(name, name)
-    return strategies.get(name) if strategies.is_known(name) else None
+    try:
+        return strategies.get(name)
+    except ParatrainError:
+        return None
 
 
 def pipelined(strategy: str) -> bool:

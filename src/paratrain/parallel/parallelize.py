@@ -39,18 +39,19 @@ if TYPE_CHECKING:
 
 def blocks(model: nn.Module, ctx: Context) -> None:
     """Activation checkpointing, then compile, per block of a model each process runs whole."""
-    units = activation_checkpoint.blocks(model)
-    activation_checkpoint.apply(units, ctx.config.activation_checkpointing)
     activation_checkpoint.without_cache(model, ctx.config.activation_checkpointing, ctx.dims.cp > 1)
-    compile_units.apply(units, ctx.config.compile, ctx.device)
+    _checkpoint_and_compile(activation_checkpoint.blocks(model), ctx)
 
 
 def stages(wrapped: nn.Module, ctx: Context) -> nn.Module:
     """Activation checkpointing, then compile, per layer of the pipeline stages this process holds."""
-    units = activation_checkpoint.stages(wrapped)
+    _checkpoint_and_compile(activation_checkpoint.stages(wrapped), ctx)
+    return wrapped
+
+
+def _checkpoint_and_compile(units: list[tuple[str, nn.Module]], ctx: Context) -> None:
     activation_checkpoint.apply(units, ctx.config.activation_checkpointing)
     compile_units.apply(units, ctx.config.compile, ctx.device)
-    return wrapped
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, ctx: Context, example: Any, name: str) -> nn.Module:

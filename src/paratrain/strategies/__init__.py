@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import ParatrainError, unknown_name
+from ..errors import unknown_name
 from .base import Context, Strategy
 
 TABLE: dict[str, str] = {
@@ -46,13 +46,4 @@ def offered() -> list[str]:
     return [*TABLE, *GRAMMAR_EXAMPLES]
 
 
-def is_known(name: str) -> bool:
-    """A preset, or a valid name of the grammar."""
-    try:
-        get(name)
-    except ParatrainError:
-        return False
-    return True
-
-
-__all__ = ["Context", "GRAMMAR_EXAMPLES", "Strategy", "TABLE", "get", "is_known", "names", "offered"]
+__all__ = ["Context", "GRAMMAR_EXAMPLES", "Strategy", "TABLE", "get", "names", "offered"]

@@ -47,11 +47,8 @@ class NDStrategy:
         return dims_for(self.name, world, tp_size=config.tp_size, pp_size=config.pp_size,
                         dp_replicate=config.dp_replicate, ep_size=config.ep_size, cp_size=config.cp_size)
 
-    def dims(self, ctx: Context) -> ParallelDims:
-        return ctx.dims  # built once per context, not parsed again at every micro-step
-
     def check(self, ctx: Context) -> None:
-        dims = self.dims(ctx)
+        dims = ctx.dims
         if dims.ep > 1 and (dims.pp > 1 or dims.cp > 1):
             raise ParatrainError(
                 f"strategy {self.name!r}: expert parallelism runs beside data and tensor parallelism (ep, ddp+ep, "
@@ -66,7 +63,7 @@ class NDStrategy:
             check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
 
     def bound(self, ctx: Context) -> float:
-        dims = self.dims(ctx)
+        dims = ctx.dims
         if dims.pp > 1:
             return dims.dp * dims.tp * pipeline_bound(dims.pp, ctx.config.microbatches)
         return float(ctx.placement.world_size)
@@ -75,10 +72,10 @@ class NDStrategy:
         return [ctx.device]
 
     def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        return parallelize(model, self.dims(ctx), ctx, example, self.name)
+        return parallelize(model, ctx.dims, ctx, example, self.name)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
-        return self.dims(ctx).data_shard(ctx.placement.rank)
+        return ctx.dims.data_shard(ctx.placement.rank)
 
     def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
         experts = self.unwrap(model).__dict__.get("_paratrain_experts")
@@ -103,7 +100,7 @@ class NDStrategy:
         if model.sync:  # averaged first: the tied sums then write into the averaged buffers in place
             model.average()
             model.pipe.reduce_tied_gradients()
-        dims = self.dims(ctx)
+        dims = ctx.dims
         return global_loss(local, dims.dp * dims.tp, ctx.device)  # every tensor rank of a last stage holds it
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
@@ -114,7 +111,7 @@ class NDStrategy:
         return evaluate(model, inputs, targets, loss_fn, ctx.device)
 
     def pipeline_ranks(self, ctx: Context) -> int:
-        return self.dims(ctx).pp
+        return ctx.dims.pp
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         if isinstance(model, Stages):
