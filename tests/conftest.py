@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # The suite tests CPU workers (each a "device"), identically on a machine with GPUs: they are hidden
 # before torch looks for them, except for the GPU tests (`make test-gpu`: PARATRAIN_TEST_GPU=1, -m gpu).
@@ -41,6 +42,12 @@ if "PARATRAIN_TEST_TRACE_CACHE" not in os.environ:
     _TRACES = tempfile.TemporaryDirectory(prefix="paratrain-test-traces-")
     os.environ["PARATRAIN_TEST_TRACE_CACHE"] = _TRACES.name
 
+# The daemons of the Slurm test cluster that tests/test_slurm.py started are listed in this file, and stopped when
+# the run ends (pytest_sessionfinish): under pytest-xdist the controller names the file before the test
+# processes start, and stops the cluster after they have all ended.
+os.environ.setdefault("PARATRAIN_TEST_SLURM_STARTED",
+                      os.path.join(tempfile.gettempdir(), f"paratrain-test-slurm-started-{os.getpid()}"))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -57,9 +64,27 @@ PROCESS_MODULES = {
     "test_collectives", "test_data_equivalence", "test_ddp", "test_ddp_tuning", "test_examples", "test_faults",
     "test_fsdp", "test_hybrid", "test_launcher", "test_notebook", "test_observe_ranks", "test_pp", "test_resume",
     "test_slurm", "test_data_parallel", "test_dropout_stats", "test_warm_run", "test_tensor_parallel",
-    "test_hand_sliced", "test_resume_layouts", "test_pipeline_accumulation",
+    "test_hand_sliced", "test_resume_layouts", "test_pipeline_accumulation", "test_orphans",
 }
 """Modules whose every test starts processes (the others mark such tests one by one with `procs`)."""
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int) -> None:
+    """The releases the suite ran on, at the end of every report (quiet ones too): a failure that follows a new
+    release names it."""
+    terminalreporter.write_line(_releases())
+
+
+def _releases() -> str:
+    from importlib import metadata
+
+    found = []
+    for name in ("torch", "transformers", "peft", "datasets", "torchvision"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return "releases: " + ", ".join(found)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -67,6 +92,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marks = {mark.name for mark in item.iter_markers()}
         if not marks & {"procs", "slow", "gpu"} and item.module.__name__.rsplit(".", 1)[-1] not in PROCESS_MODULES:
             item.add_marker(pytest.mark.quick)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the Slurm test cluster if this run started it (tests/test_slurm.py), unless PARATRAIN_KEEP_SLURM=1."""
+    started = os.environ.get("PARATRAIN_TEST_SLURM_STARTED", "")
+    if hasattr(session.config, "workerinput") or not os.path.exists(started):
+        return  # an xdist test process (the controller stops it), or nothing was started
+    os.remove(started)
+    if os.environ.get("PARATRAIN_KEEP_SLURM") == "1":
+        return
+    import subprocess
+
+    res = subprocess.run(["bash", str(ROOT / "tests" / "cluster" / "slurm_up.sh"), "--down"], capture_output=True,
+                         text=True, timeout=120)
+    if res.returncode != 0:
+        print(f"tests/cluster/slurm_up.sh --down failed ({res.returncode}): {res.stderr.strip()}", file=sys.stderr)
 
 
 @pytest.fixture

@@ -5,7 +5,10 @@ Mixtures of experts: a user decoder written the common way (a router `Linear`, t
 `ModuleList` of feed-forward blocks, optionally the Switch load-balancing loss over the tokens its forward sees),
 the same decoder with its experts in the grouped form (`user-grouped`),
 and Hugging Face Mixtral and Qwen2-MoE from tiny configs with their library's defaults. Long sequences (`LONG`):
-a user RoPE decoder with SDPA that takes `position_ids`, and Hugging Face Llama, at sequence 64."""
+a user RoPE decoder with SDPA that takes `position_ids`, and Hugging Face Llama, at sequence 64, with its library's
+defaults (`llama`: the cache on) and without its cache (`llama-nocache`, as gradient checkpointing runs it:
+transformers then reads the jump in a rank's positions from its head chunk to its tail chunk as packed documents
+and builds a mask for them)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from torch.nn import functional as F
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 VOCAB, SEQ, ROWS, GLOBAL_BATCH, WIDTH, EXPERTS = 64, 8, 24, 8, 32, 4
-LONG, LONG_SEQ = ("rope", "llama"), 64
+LONG, LONG_SEQ = ("rope", "llama", "llama-nocache"), 64
 AUX = 0.01
 CLIP, CLIPPED = 0.5, ("user-clip", "mixtral-clip")
 """Models trained with their gradient clipped by the whole model's norm (`run.clip_grad_norm_`)."""
@@ -187,13 +190,13 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "rope":
         return RopeDecoder()
-    if name == "llama":
+    if name in ("llama", "llama-nocache"):
         import transformers as tf
 
         tf.logging.set_verbosity_error()
         return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64,
                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                  max_position_embeddings=LONG_SEQ))
+                                                  max_position_embeddings=LONG_SEQ, use_cache=name == "llama"))
     if name in ("user", "user-clip"):
         return Decoder()
     if name == "user-grouped":

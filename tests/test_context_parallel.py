@@ -1,13 +1,15 @@
 """Context parallelism against plain PyTorch (docs/parallelism.md, "Context parallelism").
 
 Each layout's run (tests/moe_worker.py) trains a user RoPE decoder with SDPA and Hugging Face Llama (its library's
-defaults: SDPA, the cache on) at sequence 64 for three SGD steps, each rank computing its load-balanced share of
-every sequence: losses and exported weights equal to one process's (1e-5). The shares and the refusals run here.
+defaults: SDPA, the cache on; and without its cache, when transformers builds a mask from the positions) at
+sequence 64 for three SGD steps, each rank computing its load-balanced share of every sequence: losses and exported
+weights equal to one process's (1e-5). The shares, the masks taken as causal and the refusals run here.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import moe_cases as cases
@@ -19,11 +21,11 @@ from torch.nn import functional as F
 
 from paratrain.errors import ParatrainError
 from paratrain.parallel import step_state
-from paratrain.parallel.context import apply_cp, shares
+from paratrain.parallel.context import apply_cp, means_causal, shares
 from paratrain.parallel.dims import dims_for
 
-RUNS = (("cp", 2, ("rope", "llama")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
-        ("tp+cp", 4, ("llama",)))
+RUNS = (("cp", 2, ("rope", "llama", "llama-nocache")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
+        ("tp+cp", 4, ("llama", "llama-nocache")))
 CHECKPOINTED = {"fsdp+cp": "full"}
 """Runs with activation checkpointing after the context step: the recomputation in the backward attends over the
 gathered keys and values again, as the forward did."""
@@ -79,8 +81,9 @@ class _ByHand(nn.Module):
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.emb(ids)[:, None]
-        if self.masked:
+        if self.masked:  # causal, its first key padding: more than causal attention
             mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).tril()
+            mask[1:, 0] = False
             return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
         return torch.softmax(x @ x.transpose(-1, -2), dim=-1) @ x
 
@@ -93,6 +96,26 @@ def test_what_context_parallelism_cannot_make_exact_is_refused_by_name() -> None
         apply_cp(_ByHand(), None, 2, 0)(ids)
     with pytest.raises(ParatrainError, match="passes its own mask"):
         apply_cp(_ByHand(masked=True), None, 2, 0)(ids)
+    documents = torch.arange(4).repeat(2)[None].expand(2, -1)  # two documents of 4 packed in a row of 8
+    with pytest.raises(ParatrainError, match="position_ids other than each token's place"):
+        apply_cp(_ByHand(), None, 2, 0)(ids, position_ids=documents)
+
+
+def test_a_models_own_mask_is_taken_only_where_it_is_the_causal_mask_of_the_shares_positions() -> None:
+    head_and_tail = shares(8, 2, 0)  # [0, 1, 6, 7]
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert means_causal(causal[None, None].expand(2, 1, 4, 4), head_and_tail)
+    additive = torch.zeros(4, 4).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert means_causal(additive, head_and_tail)
+    assert means_causal(additive.masked_fill(~causal, -math.inf), head_and_tail)
+    assert not means_causal(additive.masked_fill(~causal, -1.0), head_and_tail)  # a bias, not a mask
+    cut = causal.clone()  # what transformers builds from these positions, uncached and unmasked: two "documents"
+    cut[2:, :2] = False
+    padded = causal.clone()
+    padded[:, 0] = False
+    for wrong in (cut, padded, torch.ones(4, 4, dtype=torch.bool)):
+        assert not means_causal(wrong, head_and_tail)
+    assert not means_causal(causal, shares(16, 2, 0))  # another share's length
 
 
 def test_context_degrees_are_checked_with_their_arithmetic() -> None:

@@ -115,9 +115,23 @@ def test_fused_projections_and_hugging_face_styles_are_planned() -> None:
     assert "Phi3Config" in source or "Phi3ForCausalLM" in source
     assert plan["model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
     assert plan["model.layers.0.mlp.down_proj"] == "rowwise_split_input"
-    plan, _ = find_plan(archs.build_mixtral(0), None)  # experts: the module, and its weights' declared styles
+    mixtral = archs.build_mixtral(0)
+    plan, _ = find_plan(mixtral, None)  # experts: the module, and its weights' styles (tests/test_transformers_release)
     assert plan["model.layers.0.mlp.experts"] == "experts"
     assert plan["model.layers.0.mlp.experts.gate_up_proj"] == "packed_colwise"
+    config = mixtral.config  # transformers 5.24 named the experts in the tensor plan, with no expert plan
+    config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                                 "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                                 "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts"}
+    config.base_model_ep_plan = None
+    plan, source = find_plan(mixtral, None)
+    assert plan["model.layers.1.mlp.experts"] == "experts" and "base_model_ep_plan" not in source
+    assert plan["model.layers.1.mlp.experts.down_proj"] == "rowwise" and "model.layers.0.self_attn.k_proj" not in plan
+    config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    config.base_model_ep_plan = {"layers.*.mlp.experts": "ep_dispatch_experts"}
+    mixtral.model.layers[0].mlp.experts.is_transposed = True  # stored (experts, in, out): left whole, not guessed
+    plan, _ = find_plan(mixtral, None)
+    assert "model.layers.0.mlp.experts" not in plan and plan["model.layers.1.mlp.experts"] == "experts"
     wrapped = nn.ModuleDict({"lm": phi3})  # a Hugging Face model inside the user's module: its plan, prefixed
     plan, _ = find_plan(wrapped, None)
     assert plan["lm.model.layers.1.self_attn.o_proj"] == "rowwise_split_input"

@@ -2,7 +2,11 @@
 `srun python` with one task per worker and `srun paratrain run` with no node flag train one job that reaches
 the weights of a plain PyTorch loop (helpers.plain_example_toy); the elastic form keeps working; several
 launchers per node and a launcher in a multi-node batch script are refused; the sbatch script users copy from
-docs/launchers.md runs as it is. A machine that cannot have the cluster skips, with the reason."""
+docs/launchers.md runs as it is. A machine that cannot have the cluster skips, with the reason.
+
+A cluster these tests start (and munged, if they started it) is stopped when the test run ends, by
+`slurm_up.sh --down` from tests/conftest.py (under pytest-xdist, once every test process has ended);
+PARATRAIN_KEEP_SLURM=1 keeps it running for the next run. One that was already up is left as it was."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from helpers import ROOT, cli_env, doc_block, max_diff, plain_example_toy, run_c
 SLURM_UP = ROOT / "tests" / "cluster" / "slurm_up.sh"
 TRAIN = ROOT / "tests" / "cluster" / "train.py"
 VENV_BIN = Path(sys.executable).parent
+SLURM_STARTED = "PARATRAIN_TEST_SLURM_STARTED"  # a file the suite's end reads (tests/conftest.py)
 LIMIT = "3"  # minutes: Slurm itself ends a job step that a broken test would leave running
 pytestmark = pytest.mark.timeout(420)  # the first test also installs and starts Slurm on a fresh machine
 
@@ -34,7 +39,9 @@ def slurm_env() -> dict[str, str]:
     try:
         res = subprocess.run(["bash", str(SLURM_UP)], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as exc:
+        _started(str(exc.stderr or ""))
         pytest.fail(f"{SLURM_UP} did not finish in 300 s: {exc.stderr!r}")
+    _started(res.stderr)
     if res.returncode == 2:
         reason = " | ".join(line.strip() for line in res.stderr.splitlines() if line.strip())
         pytest.skip(f"no Slurm cluster can be started here: {reason}")  # one line: pytest -rs shows one
@@ -43,6 +50,15 @@ def slurm_env() -> dict[str, str]:
     # srun passes the environment on: each `paratrain run` in a job step forks its workers from the template this
     # test process keeps (helpers.kept_template); the agents, their rendezvous and the node flags are Slurm's
     return cli_env(SLURM_CONF=conf, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+
+
+def _started(stderr: str | bytes) -> None:
+    """Note the daemons slurm_up.sh says it started, for the suite's end to stop (tests/conftest.py)."""
+    text = stderr.decode() if isinstance(stderr, bytes) else stderr
+    names = [line.split("started ", 1)[1] for line in text.splitlines() if line.startswith("slurm_up: started ")]
+    if names:
+        with open(os.environ[SLURM_STARTED], "a") as f:
+            f.write("".join(f"{name}\n" for name in names))
 
 
 @pytest.fixture

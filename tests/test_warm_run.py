@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, cli_env, kept_template, paratrain
 
-from paratrain.launcher import _warm_run
+from paratrain.launcher import _lifeline, _warm_run
 
 SCRIPT = """
 import os, sys
@@ -67,11 +67,14 @@ def test_a_forked_worker_is_the_process_the_agent_would_have_spawned(tmp_path: P
 
 
 def _gone(pid: int, within: float) -> bool:
+    """Ended within `within` seconds: no such process, or a zombie (an orphan that nobody has reaped yet)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
             return True
         time.sleep(0.05)
     return False
@@ -84,6 +87,7 @@ def _client(tmp: Path, code: str, ready: str = "") -> Iterator[tuple[subprocess.
     script.write_text(f"import os\n{ready}print(os.getpid(), flush=True)\n{code}")
     warm = _warm_run.WarmRun(("json",))
     env = {**os.environ, _warm_run.SOCKET_VARIABLE: warm.path}
+    env.pop(_lifeline.AGENT_VARIABLE, None)  # the client's agent is this process
     client = subprocess.Popen([sys.executable, "-u", _warm_run.CLIENT, str(script)], env=env,
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -104,6 +108,14 @@ def test_a_worker_ends_with_its_client_and_the_template_with_the_agent(tmp_path:
         assert _gone(worker, 10), "the worker outlived its client"
     assert warm.proc.poll() is not None, "the template outlived the agent's lifeline"
     assert not os.path.exists(warm.folder)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_ends_with_the_template_that_forked_it(tmp_path: Path) -> None:
+    with _client(tmp_path, "import time\ntime.sleep(600)\n") as (client, worker, warm):
+        warm.proc.kill()  # SIGKILL: the template cannot kill its workers itself
+        assert _gone(worker, 10), "the worker outlived its template"
+        assert client.wait(10) == 1
 
 
 @pytest.mark.timeout(60)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import checkpoint, collectives, grad_clip, runtime, strategies, weights
+from .agreement import NONE, Refusals
 from .config import Config, make_config, validate
 from .data import ShardedLoader, claim_weight
 from .data.plan import ONE, Weight
@@ -44,7 +45,7 @@ class Run:
     """One process's view of a training job; made by `paratrain.setup`."""
 
     def __init__(self, config: Config, strategy: Strategy, ctx: Context, watch: Watch, stop: StopRequest,
-                 auto: bool = False) -> None:
+                 auto: bool = False, refusals: Refusals = NONE) -> None:
         self.config = config
         self.strategy = strategy
         self.ctx = ctx
@@ -85,6 +86,9 @@ class Run:
         self._global_batch: int | None = None
         self._built: list[tuple[nn.Module, nn.Module]] = []
         """(prepared model, the user's model) pairs: `export` writes in the user's names and config."""
+        self._refusals = refusals
+        """Each prepare and the first micro-step end in an agreement: one rank's refusal is every rank's."""
+        self._first_step_agreed = False
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -137,7 +141,14 @@ class Run:
         A model built on the meta device (`with torch.device("meta"):` or `paratrain.empty_init()`) is split
         first, then each rank gets storage for its share only, filled from `init_from` (a save_pretrained
         directory, a .safetensors file or a torch.save'd state dict, read a slice at a time) or else from the
-        modules' own initialisation, the same values under every layout for one seed (docs/usage.md)."""
+        modules' own initialisation, the same values under every layout for one seed (docs/usage.md).
+
+        A refusal on one rank is raised on every rank (`paratrain.agreement`)."""
+        with self._refusals.phase("prepare"):
+            return self._prepare(model, optimizer, example, init_from)
+
+    def _prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, example: Any,
+                 init_from: str | os.PathLike[str] | None) -> Any:
         activate(self.step.state)  # this run's micro-step state, whatever another run in the process did
         meta = weights.has_meta(model)
         source = weights.source_for(model, self.config.seed, init_from) if meta or init_from is not None else None
@@ -177,7 +188,7 @@ class Run:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
         self._optimizers.append(optimizer)
-        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase)
+        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase, self._refusals)
 
     def _choose_layout(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, example: Any,
                        real: Callable[[nn.Module], nn.Module] | None = None) -> None:
@@ -272,7 +283,8 @@ class Run:
         weighted by this rank's rows (see paratrain/data/plan.py)."""
         activate(self.step.state)
         weight = claim_weight(self._loaders)
-        with self._watch.op_scope("backward"), self.step.micro(), self.timing.micro_step():  # DDP syncs in here
+        with (self._first_step(), self._watch.op_scope("backward"), self.step.micro(),  # DDP syncs in here
+              self.timing.micro_step()):
             self._scaled_backward(loss if weight.loss == 1.0 else loss * weight.loss)
         self._stragglers.after_micro_step(self.step, joining=self._joining)
 
@@ -295,11 +307,20 @@ class Run:
             return self.evaluate(model, inputs, targets, loss_fn)  # type: ignore[no-any-return]
         activate(self.step.state)
         weight = claim_weight(self._loaders) if self._loader_prepared else self._hand_sliced(inputs)
-        with self._watch.op_scope("forward_backward"), self.step.micro(model), self.timing.micro_step():
+        with (self._first_step(), self._watch.op_scope("forward_backward"), self.step.micro(model),
+              self.timing.micro_step()):
             loss = self.strategy.forward_backward(model, inputs, targets, weight.scale(loss_fn), self._scaled_backward,
                                                   self.ctx)
         self._stragglers.after_micro_step(self.step, joining=self._joining)
         return loss if weight.window == 1.0 else loss / weight.window
+
+    def _first_step(self) -> contextlib.AbstractContextManager[None]:
+        """The first micro-step paratrain sees ends in an agreement (a refusal in its forward is every rank's);
+        later ones agree on nothing."""
+        if self._first_step_agreed:
+            return contextlib.nullcontext()
+        self._first_step_agreed = True
+        return self._refusals.phase("the first step")
 
     def _hand_sliced(self, inputs: Any) -> Weight:
         """With no sharded loader, the loop sliced the global batch itself: the replicas' row counts are
@@ -474,33 +495,46 @@ class Run:
 
 
 def setup(**kwargs: Any) -> Run:
-    """Read the launch environment, start the process group the strategy needs, and return the `Run`."""
+    """Read the launch environment, start the process group the strategy needs, and return the `Run`. A refusal
+    on one rank (an option, a device it lacks) is raised on every rank, before any waits in the group's rendezvous."""
     runtime.install_error_file_hook()  # first: a bad option is then reported by the launcher like any error
-    config = make_config(kwargs)
     placement = runtime.read_placement()
-    auto = config.strategy == "auto"
-    if auto:
-        config.strategy = "ddp" if placement.world_size > 1 else "single"
-    strategy = strategies.get(config.strategy)
-    device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
-    ctx = Context(config=config, placement=placement, device=device, gpus=runtime.cuda_count())
-    strategy.check(ctx)
+    refusals = _refusals_for(placement, kwargs)
+    with refusals.phase("setup"):
+        config = make_config(kwargs)
+        auto = config.strategy == "auto"
+        if auto:
+            config.strategy = "ddp" if placement.world_size > 1 else "single"
+        strategy = strategies.get(config.strategy)
+        device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
+        ctx = Context(config=config, placement=placement, device=device, gpus=runtime.cuda_count())
+        strategy.check(ctx)
+        grouped = strategy.needs_process_group or placement.world_size > 1
+        backend = runtime.pick_backend(config.backend, device) if grouped else ""
     timeout = config.timeout_s or runtime.default_timeout_s()
-    if strategy.needs_process_group or placement.world_size > 1:
-        runtime.init_process_group(placement, runtime.pick_backend(config.backend, device), config.init, timeout,
-                                   device)
+    if grouped:
+        runtime.init_process_group(placement, backend, config.init, timeout, device, refusals.store)
         atexit.register(runtime.destroy_process_group)
     watch = Watch.start(placement.rank, placement.world_size, timeout)
     atexit.register(watch.stop)  # before the process group goes (atexit runs last-registered first)
     stop = StopRequest(grace_s=timeout)
     stop.install()
-    run = Run(config, strategy, ctx, watch, stop, auto=auto and placement.world_size > 1)
+    run = Run(config, strategy, ctx, watch, stop, auto=auto and placement.world_size > 1, refusals=refusals)
     if auto and placement.world_size == 1:
         run.print("paratrain: strategy auto -> single (1 process)")
     _seed(config.seed)
     set_seed(config.seed, run.step.state)
     activate(run.step.state)
     return run
+
+
+def _refusals_for(placement: runtime.Placement, kwargs: Mapping[str, Any]) -> Refusals:
+    """Where the ranks agree on their setup: the rendezvous store, opened before the options are checked (as
+    given, so a rank whose options are refused still reaches it)."""
+    timeout, init = kwargs.get("timeout_s"), kwargs.get("init")
+    return Refusals.at_rendezvous(
+        placement, init if isinstance(init, str) else None,
+        float(timeout) if isinstance(timeout, int | float) and timeout > 0 else runtime.default_timeout_s())
 
 
 def _seed(seed: int) -> None:

@@ -18,6 +18,10 @@ class CollectiveTimeout(ParatrainError):
     """A collective did not complete because some ranks never arrived."""
 
 
+class RefusedOnRank(ParatrainError):
+    """A refusal one rank raised ("rank 1: ..."), raised word for word on every rank (`paratrain.agreement`)."""
+
+
 def unknown_name(kind: str, name: str, known: Iterable[str]) -> ParatrainError:
     known = sorted(known)
     close = difflib.get_close_matches(name, known, n=1)

@@ -313,21 +313,33 @@ def _file_store(init: str, world_size: int) -> dist.Store:
     return file_store.open_store(file_store.path_of(init) or init, world_size)
 
 
+def open_store(placement: Placement, init: str | None, timeout_s: float) -> dist.Store:
+    """The rendezvous store the process group starts on, opened before it: the ranks agree on their setup
+    through it first (`paratrain.agreement`), so a rank that refuses is not waited for in the group's rendezvous."""
+    import torch.distributed as dist
+    timeout = timedelta(seconds=timeout_s)
+    store = _store_for(placement, init, timeout)
+    if store is None:  # torchrun's agent store, reached as env:// init reaches it
+        store, _, _ = next(dist.rendezvous("env://", placement.rank, placement.world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = dist.PrefixStore("default_pg", store)
+    return store
+
+
 def init_process_group(
-    placement: Placement, backend: str, init: str | None, timeout_s: float, device: torch.device
+    placement: Placement, backend: str, init: str | None, timeout_s: float, device: torch.device,
+    store: dist.Store | None = None,
 ) -> None:
+    """Start the default process group on `store` (`open_store`'s when None)."""
     import torch.distributed as dist
     if dist.is_initialized():
         return
-    timeout = timedelta(seconds=timeout_s)
-    store = _store_for(placement, init, timeout)
-    kwargs: dict[str, object] = {"backend": backend, "timeout": timeout}
+    if store is None:
+        store = open_store(placement, init, timeout_s)
+    kwargs: dict[str, object] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    if store is None:
-        dist.init_process_group(init_method="env://", **kwargs)  # type: ignore[arg-type]
-    else:
-        dist.init_process_group(store=store, rank=placement.rank, world_size=placement.world_size, **kwargs)  # type: ignore[arg-type]
+    dist.init_process_group(store=store, rank=placement.rank, world_size=placement.world_size, **kwargs)  # type: ignore[arg-type]
     # gloo connects every pair during init, but a rank returns once its own pairs answer: one that then
     # fails fast (a refusal in prepare) and destroys the group can close a pair its peer is still reading
     # ("connectFullMesh failed ... Connection closed by peer"). Nobody leaves init before everyone has.

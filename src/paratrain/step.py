@@ -18,13 +18,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .parallel import randomness
 from .parallel.step_state import StepState
+
+if TYPE_CHECKING:
+    from .agreement import Refusals
 
 
 class Step:
@@ -92,17 +95,21 @@ class Step:
 class PreparedOptimizer(torch.optim.Optimizer):
     """The user's optimizer whose `step`/`zero_grad` act only at window ends, driving the fp16 GradScaler.
 
-    An `Optimizer` subclass so LR schedulers accept it; it delegates everything else.
+    An `Optimizer` subclass so LR schedulers accept it; it delegates everything else. Its first real step
+    ends in an agreement (`refusals`): a refusal raised in it on one rank is raised on every rank.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, step: Step, scaler: torch.amp.GradScaler | None,
-                 timed: Callable[[str], AbstractContextManager[Any]] | None = None) -> None:
+                 timed: Callable[[str], AbstractContextManager[Any]] | None = None,
+                 refusals: Refusals | None = None) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns param_groups and state.
         self.optimizer = optimizer
         self._step = step
         self.scaler = scaler
         self._timed = timed or _untimed
         """Times the real step as the "optimizer" phase while profiling (observe/breakdown.py)."""
+        self._first_step: Refusals | None = refusals
+        """Until the first real step: whom it agrees with."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -119,6 +126,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         if not self._step.at_boundary or self._step.count == 0:
             return None
+        refusals, self._first_step = self._first_step, None
+        with refusals.phase("the first optimizer step") if refusals is not None else nullcontext():
+            return self._step_now(closure)
+
+    def _step_now(self, closure: Callable[[], float] | None) -> Any:
         with self._timed("optimizer"):
             if self.scaler is not None:
                 result = self.scaler.step(self.optimizer, *(() if closure is None else (closure,)))

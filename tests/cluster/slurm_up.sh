@@ -8,7 +8,10 @@
 # stderr, which the tests report as a skip; any other failure is exit 1.
 #
 #   tests/cluster/slurm_up.sh            # prints the config path: export SLURM_CONF=/tmp/paratrain-slurm/slurm.conf
-#   tests/cluster/slurm_up.sh --down     # stop slurmctld and the two slurmd (munged stays up)
+#   tests/cluster/slurm_up.sh --down     # stop slurmctld, the two slurmd, and munged if this script started it
+#
+# Each daemon it starts is named on stderr ("slurm_up: started slurmctld"): the tests stop the cluster when they
+# end only if they started it (tests/test_slurm.py).
 #
 # Everything lives under $PARATRAIN_SLURM_DIR (default /tmp/paratrain-slurm); no file under /etc/slurm is
 # touched, so a real Slurm installation on the machine is left alone.
@@ -36,7 +39,7 @@ nodes_up() {  # both nodes answering (idle, or busy with another test's job); th
 
 start() {  # start NAME COMMAND...: a daemon's start command; a refusal for lack of permission exits 2
   # 9>&-: the daemons must not inherit (and so hold forever) this script's lock
-  "${@:2}" >"$DIR/$1.start" 2>&1 9>&- && return 0
+  "${@:2}" >"$DIR/$1.start" 2>&1 9>&- && { say "started $1"; return 0; }
   if grep -qiE "$REFUSED" "$DIR/$1.start"; then unavailable "$1 cannot be started here: $(cat "$DIR/$1.start")"; fi
   fail "$1 did not start: $(cat "$DIR/$1.start")"
 }
@@ -47,9 +50,13 @@ stop_all() {
     if running "$pidfile"; then pids+=("$(cat "$pidfile")"); fi
   done
   [ ${#pids[@]} -gt 0 ] || return 0
-  kill "${pids[@]}" 2>/dev/null || true
-  for _ in $(seq 100); do kill -0 "${pids[@]}" 2>/dev/null || return 0; sleep 0.1; done
-  kill -9 "${pids[@]}" 2>/dev/null || true
+  stop_pids "${pids[@]}"
+}
+
+stop_pids() {  # SIGTERM, then SIGKILL after 10 s
+  kill "$@" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$@" 2>/dev/null || return 0; sleep 0.1; done
+  kill -9 "$@" 2>/dev/null || true
 }
 
 install_packages() {
@@ -121,6 +128,13 @@ start_munge() {
   [ -f /etc/munge/munge.key ] || { mungekey --create 2>/dev/null || /usr/sbin/create-munge-key -f; chown munge:munge /etc/munge/munge.key; }
   start munged runuser -u munge -- /usr/sbin/munged --force
   munge -n </dev/null | unmunge >/dev/null || fail "munged does not answer"
+  # ours to stop with --down (a munged that was already running serves others too, and is left alone)
+  if [ -f /run/munge/munged.pid ]; then cp /run/munge/munged.pid "$DIR/munged.pid"; else pgrep -n -x munged >"$DIR/munged.pid" || true; fi
+}
+
+stop_munge() {  # the munged this script started, if any
+  running "$DIR/munged.pid" && stop_pids "$(cat "$DIR/munged.pid")"
+  rm -f "$DIR/munged.pid"
 }
 
 start_slurm() {
@@ -155,7 +169,7 @@ if [ "$(id -u)" != 0 ]; then  # the daemons run as root: another user can only u
 fi
 exec 9>/tmp/paratrain-slurm.lock
 flock -w "$TIMEOUT_S" 9 || { say "another slurm_up.sh holds /tmp/paratrain-slurm.lock"; exit 1; }
-if [ "${1:-}" = "--down" ]; then stop_all; exit 0; fi
+if [ "${1:-}" = "--down" ]; then stop_all; stop_munge; exit 0; fi
 mkdir -p "$DIR"
 install_packages
 write_config

@@ -112,10 +112,11 @@ def test_separate_embeddings() -> None:
 def test_modulelist_blocks_are_spread_over_stages() -> None:
     """Finding 6 (fixed: the blocks are layers of their own and spread over both stages, with no refusal and no
     warning; was: blocks in an nn.ModuleList all land in one pipeline stage, whatever the balance, and nothing
-    warns)."""
+    warns). Balanced by memory, which the model fixes: a balance by measured time moves with the machine's load, and
+    on a busy machine two blocks of a tiny model can rightly share a stage."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = loop.train("llama", "mp", after=lambda run, model, opt: {"plan": model.plan})
+        result = loop.train("llama", "mp", balance="memory", after=lambda run, model, opt: {"plan": model.plan})
     told = [str(w.message) for w in caught if "blocks" in str(w.message)]
     assert not told, f"mp warns about the blocks instead of spreading them: {told}"
     plan = result["plan"]

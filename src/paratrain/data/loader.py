@@ -10,6 +10,7 @@ so a checkpoint resumes on any world size. A stream (a sharded IterableDataset) 
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ..errors import ParatrainError
 from ..parallel import randomness, step_state
 from . import indexed
-from .order import Epoch, read_order
+from .order import Epoch, _numpy, read_order
 from .plan import ONE, Batch, Layout, Weight, batch_ends, check_epoch, evaluation_batches, replica_batches
 
 
@@ -163,6 +164,28 @@ class ShardedLoader:
         self._weight = ONE
         if not self.evaluation:
             self.epoch, self.consumed = self.epoch + 1, 0
+
+    def peek(self) -> Any:
+        """The batch the next iteration yields first, read here without moving the loader: its position, the
+        batch it weighs the next loss by and the global RNGs a dataset's transform may draw from are as they were.
+        What `run.prepare(..., example=loader.peek())` needs; iterating (`next(iter(loader))`) would use it up."""
+        self._follow_sampler()
+        plan = self._plan()
+        if not plan:
+            raise ParatrainError(f"the loader is at the end of epoch {self.epoch}: nothing to peek at; iterate it "
+                                 "once to start the next epoch, or peek before the loop")
+        dataset, indices = self.loader.dataset, plan[0].indices
+        np = _numpy()
+        py_state, np_state = random.getstate(), np.random.get_state() if np is not None else None
+        try:
+            with torch.random.fork_rng(devices=[]):
+                getitems = getattr(dataset, "__getitems__", None)  # as torch's fetcher reads a batch
+                rows = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
+                return self.loader.collate_fn(rows)
+        finally:
+            random.setstate(py_state)
+            if np is not None:
+                np.random.set_state(np_state)
 
     def _load(self, plan: list[Batch]) -> DataLoader:
         """The inner DataLoader over this plan: made once (so persistent workers persist), re-pointed per pass."""

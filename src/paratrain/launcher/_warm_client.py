@@ -12,6 +12,8 @@ import signal
 import socket
 import sys
 
+import _lifeline  # run by path: this folder is sys.path[0]
+
 _WAIT_S = 300.0
 """How long to wait for the template to fork us (it may still be importing torch on a busy machine)."""
 
@@ -54,6 +56,7 @@ def _exit_like(code: int) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
+    _lifeline.end_with(_lifeline.agent())  # the agent's death kills us, and through our connection, the worker
     # A signal that arrives before the worker exists (or before we know its pid) waits, then is passed on:
     # a preemption's SIGTERM must reach the worker's own handler, not end us and, through the lifeline, it.
     signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)

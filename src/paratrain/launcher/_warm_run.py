@@ -12,8 +12,11 @@ worker's status. An elastic restart then costs a fork instead of importing torch
     agent --Popen--> client (rank r) --socket--> template (imports torch ...) --fork--> worker (rank r)
           <-- exit status ----------  <-- "started pid" / "exited code" --
 
-Lifelines: a client that dies (even by SIGKILL) closes its connection, and the template kills its worker's
-process group; the template stops taking requests when the agent's pipe closes and ends with its last worker.
+Lifelines (`_lifeline`): a client dies with the agent (the kernel's parent-death signal), and a client that dies
+(even by SIGKILL) closes its connection, so the template kills its worker's process group; a worker dies with the
+template that forked it; the template stops taking requests when the agent's pipe closes and ends with its last
+worker. So a SIGKILL of the agent alone or of its process group (which holds neither clients, template nor
+workers: each leads its own session) ends them all within moments.
 Where the template is not there, the client starts the script as a new process, so a run never depends on it.
 """
 
@@ -33,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import _zygote
+from . import _lifeline, _zygote
 
 CLIENT = str(Path(__file__).with_name("_warm_client.py"))
 """The agent's entry point for each worker (run by path, so it imports neither paratrain nor torch)."""
@@ -130,8 +133,10 @@ def _serve(listener: socket.socket, lifeline: int) -> tuple[dict[str, Any], list
                 if request is None:
                     continue
                 conn, message, fds = request
+                template = os.getpid()
                 pid = os.fork()
                 if pid == 0:
+                    _lifeline.end_with(template)
                     listener.close()
                     os.close(lifeline)
                     for other in workers:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .. import file_store
 from ..errors import ParatrainError
 from ..runtime import cuda_count, torchrun_variables, warm_modules
-from . import _warm_run
+from . import _lifeline, _warm_run
 from .checks import LaunchSpec, check
 from .cluster import TORCHRUN_VARIABLES
 from .failures import Failure, describe
@@ -104,7 +104,9 @@ def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = F
         print(dry_run_text(spec, script, script_args), flush=True)
         return 0
     os.environ.update(worker_env(spec))
-    os.environ["PARATRAIN_AGENT_PID"] = str(os.getpid())  # a warm worker's parent is its template, not us
+    # Each worker is tied to this process (the agent) and dies with it, even by SIGKILL (see `_lifeline`); a
+    # script that must signal its launcher reads the variable, since a warm worker's parent is its template.
+    os.environ[_lifeline.AGENT_VARIABLE] = str(os.getpid())
     for name in _CONSUMED:
         # Now flags: torchrun's parser would read them again (PET_NODE_RANK, which c10d ignores with a warning).
         os.environ.pop(f"PET_{name}", None)
@@ -116,6 +118,8 @@ def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = F
     if warm is not None:  # the agent starts a small client per worker; the client has the worker forked
         os.environ[_warm_run.SOCKET_VARIABLE] = warm.path
         script, script_args = _warm_run.CLIENT, [script, *script_args]
+    else:  # the agent starts a small program per worker that ties itself to the agent, then execs the script
+        script, script_args = _lifeline.ENTRY, [script, *script_args]
     args = torchrun.parse_args(torchrun_args(spec, script, script_args))
     try:
         torchrun.run(args)

@@ -8,8 +8,12 @@ The model's forward is wrapped once (`apply_cp`). Inside it:
 
       cp 2, 8 tokens:   chunks 0 1 2 3   rank 0: tokens 0 1 + 6 7   rank 1: tokens 2 3 + 4 5
 
-- the model is given the global positions of its tokens (`position_ids`), so rotary and absolute position
-  embeddings see where each token is in the sequence, not in its share;
+- the model is given the global positions of its tokens (`position_ids`; a batch bringing other ones, packed
+  documents, is refused), so rotary and absolute position embeddings see where each token is in the sequence,
+  not in its share; a Hugging Face model given no `attention_mask` is given one of ones (no padding), which is
+  what it would assume, since without it transformers (5.25 on, without a cache) reads the jump in a rank's
+  positions from its head chunk to its tail chunk as the start of another packed document and masks across it,
+  on that rank only;
 - every `F.scaled_dot_product_attention` call attends from the rank's queries to the whole sequence's keys and
   values, gathered over the group in one differentiable all-gather (the backward returns each key's gradient to
   the rank that holds it) and left in rank order, causal by their global positions (the mask is built once per
@@ -18,6 +22,10 @@ The model's forward is wrapped once (`apply_cp`). Inside it:
 - outputs with the share's length are gathered back into the whole sequence, in order, so the loss is the whole
   sequence's, computed by the user's code on every rank of the group (its gradient reaches each rank's share
   `cp` times over, which the data-parallel mean over the group then divides: the gradients one process gets).
+
+A mask the model passes itself is taken as causal attention over the gathered keys when it is exactly the causal
+mask of the share's positions (a model that builds its mask rather than leaving it to `is_causal`); any other
+mask (padding, packed documents) is refused by name.
 
 Attention paratrain cannot see (a softmax over scores computed by hand) would attend within each share only: it is
 refused by name at the first forward, as is a forward with no `position_ids` argument.
@@ -76,20 +84,54 @@ class _Gather:
         return wait_tensor(all_gather_single_autograd(moved, 0, self.group)).movedim(0, dim)
 
 
+def means_causal(mask: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether a model's own attention mask over its share (global `positions`) is exactly the causal mask of those
+    positions, in every row of its batch and heads: boolean (True: attend) or additive (0: attend, the dtype's
+    lowest or -inf: not), over (..., share, share). A mask cut where the positions jump (a packed-sequence
+    detection's reading of the head and tail chunks) is not: it would attend less than the whole sequence does."""
+    length = positions.shape[0]
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
+        return False
+    positions = positions.to(mask.device)
+    causal = positions[None, :] <= positions[:, None]
+    if mask.dtype == torch.bool:
+        attends = mask
+    elif mask.is_floating_point():
+        attends = mask == 0
+        if not bool((attends | (mask <= torch.finfo(mask.dtype).min)).all()):
+            return False
+    else:
+        return False
+    return bool((attends == causal).all())
+
+
 def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor,
           gathered: torch.Tensor) -> Callable[..., Any]:
     """Attention from this rank's queries (global `positions`) to every rank's keys and values, gathered in one
     collective in rank order (their global positions: `gathered`); the causal mask follows the positions, so
-    the keys need no reordering, and it is built once per forward."""
+    the keys need no reordering, and it is built once per forward. A mask the model passes is read once per
+    forward (`means_causal`)."""
     masks: dict[torch.device, torch.Tensor] = {}
+    read: list[tuple[torch.Tensor, bool]] = []  # the model's masks met in this forward: one is usually every layer's
+
+    def causal_mask(mask: torch.Tensor) -> bool:
+        for known, verdict in read:
+            if known is mask:
+                return verdict
+        read.append((mask, means_causal(mask, positions)))
+        return read[-1][1]
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, **kwargs: Any) -> torch.Tensor:
         if attn_mask is not None:
-            raise ParatrainError(
-                "context parallelism: an attention call passes its own mask (padding, or a causal mask the model "
-                "built for its share of positions), which paratrain cannot rewrite for the whole sequence; train "
-                "without padding masks (packed sequences), or drop 'cp' from the strategy")
+            if is_causal or not isinstance(attn_mask, torch.Tensor) or not causal_mask(attn_mask):
+                raise ParatrainError(
+                    "context parallelism: an attention call passes its own mask (padding, or documents packed in "
+                    "one sequence: a Hugging Face model reads a jump in position_ids as one), which paratrain "
+                    "cannot rewrite for the whole sequence (it takes the causal mask of the share's positions); "
+                    "train without padding masks, pass a Hugging Face model inside yours attention_mask (ones), or "
+                    "drop 'cp' from the strategy")
+            attn_mask, is_causal = None, True
         if dropout_p:
             raise ParatrainError("context parallelism: attention dropout would draw its mask per share, not as one "
                                  "process draws it; set the attention dropout to 0 or drop 'cp'")
@@ -151,6 +193,7 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
             "given, sets the positions its rotary or absolute embeddings use (Hugging Face models have one), or "
             "drop 'cp' from the strategy")
     inner, calls = model.forward, [0]
+    unmasked = _no_padding_mask(model)
     layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     gather = _Gather(group, size)
 
@@ -170,7 +213,17 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
         mine, every = layout(length)
         cut = lambda t: t.index_select(1, mine.to(t.device)) if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
         args, kwargs = map_tensors(cut, (args, kwargs))
-        kwargs.setdefault("position_ids", mine.to(found[0].device)[None, :].expand(found[0].shape[0], -1))
+        batch, device = found[0].shape[0], found[0].device
+        if kwargs.get("position_ids") is None:
+            kwargs["position_ids"] = mine.to(device)[None, :].expand(batch, -1)
+        elif not _global(kwargs["position_ids"], mine):
+            raise ParatrainError(
+                "context parallelism: the batch brings position_ids other than each token's place in its row "
+                "(packed documents, or an offset), but attention across the ranks' shares is causal by place in the "
+                "row, which would let a document attend to the one before it; leave position_ids out (paratrain "
+                "passes each token's place), or drop 'cp' from the strategy")
+        if unmasked is not None and not _passes_mask(unmasked, args, kwargs):
+            kwargs["attention_mask"] = torch.ones(batch, len(mine), dtype=torch.long, device=device)
         calls[0] += 1
         with _attending(gather, mine, every, len(mine), calls[0] == 1):
             out = inner(*args, **kwargs)
@@ -179,3 +232,31 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
 
     _forwards.replace(model, forward, REASON)
     return model
+
+
+def _global(given: Any, mine: torch.Tensor) -> bool:
+    """Whether position_ids cut to the share are every token's place in its row (what paratrain would pass)."""
+    if not isinstance(given, torch.Tensor) or given.dim() == 0 or given.shape[-1] != len(mine):
+        return False
+    return bool((given == mine.to(given.device)).all())
+
+
+def _no_padding_mask(model: nn.Module) -> inspect.Signature | None:
+    """The forward's signature where the model is a Hugging Face model taking `attention_mask` (a 2-D padding mask,
+    ones: attend), to which a call without one passes ones (see the module docstring); None for other models,
+    whose `attention_mask` may mean anything."""
+    if not any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return None
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    return signature if "attention_mask" in signature.parameters else None
+
+
+def _passes_mask(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return True  # the call itself is wrong: the model's own error says how
+    return bound.get("attention_mask") is not None

@@ -143,10 +143,11 @@ def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:
 def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: torch.device) -> Any:
     """The outputs of a forward pass, or given `loss_fn` the mean loss over every rank's rows (ranks may
     hold different numbers, as an evaluation loader gives them), on every rank."""
+    from ..._inputs import call
     from ...collectives import all_reduce
     from ..microbatch import batch_size
 
-    out = model(inputs)
+    out = call(model, inputs)
     if loss_fn is None:
         return out
     rows = float(batch_size(inputs))
@@ -158,8 +159,9 @@ def evaluate(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, device: 
 def forward_backward(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, backward: Any) -> torch.Tensor:
     """The plain micro-step (forward, loss, backward) on this rank's share; returns the mean loss over all
     ranks, each holding an equal share of the global batch (reduced asynchronously: see `mean_later`)."""
+    from ..._inputs import call
     from ...collectives import mean_later
 
-    loss = loss_fn(model(inputs), targets)
+    loss = loss_fn(call(model, inputs), targets)  # a dict's fields by name where the forward names them
     backward(loss)
     return mean_later(loss)

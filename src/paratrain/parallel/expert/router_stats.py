@@ -12,7 +12,9 @@ batch's, and averaging the ranks' values does not make it one (a user MoE under 
 - Hugging Face MoE models compute theirs in `load_balancing_loss_func`, which `install` wraps to pass it the global
   batch's router logits and mask.
 - A user MoE block whose forward leaves a loss-like scalar (an attribute or an output) that was not computed
-  through `global_rows` is refused by name under a layout whose forward sees part of the global batch.
+  through `global_rows` is refused by name under a layout whose forward sees part of the global batch, once that
+  scalar reaches the loss: when the backward hands it a gradient that is not exactly zero. A term the loop leaves
+  out, or weights by an exact 0, contributes nothing to any gradient, so the run is exact either way and trains.
 
 Micro-batches (accumulation, pipelines) see part of the global batch in each forward, and no collective in one
 forward can see the rest: there the statistics are refused, naming the fix.
@@ -131,18 +133,38 @@ def _checked(block: nn.Module, name: str, inner: Callable[..., Any]) -> Callable
                   and t.dim() == 0 and t.requires_grad]
         for where, t in found:
             if not _through_gather(t):
-                sees = (f"1/{rows.parts} of its replica's rows" if rows.parts > 1
-                        else f"the rows of 1 of {rows.replicas} data-parallel ranks")
-                raise ParatrainError(
-                    f"{name} ({type(block).__name__}) is a mixture of experts whose forward leaves a loss-like scalar "
-                    f"({where}) computed from the tokens it sees, {sees}: an auxiliary loss of router statistics "
-                    "(token shares times mean probabilities) over part of the batch is not the global batch's, and "
-                    "the run would train to other weights than one process. Take the statistics over the global "
-                    "batch: probs = paratrain.global_rows(probs) before computing them (with grad_accum=1 and no "
-                    "pipeline), or drop the auxiliary loss")
+                refusal = _refusal(block, name, where, rows)
+                if rows.parts > 1:  # a pipeline's stages would wait on a backward that raised: refused at once
+                    raise refusal
+                t.register_hook(_refuse_if_weighted(refusal))
         return out
 
     return forward
+
+
+def _refusal(block: nn.Module, name: str, where: str, rows: Rows) -> ParatrainError:
+    sees = (f"1/{rows.parts} of its replica's rows" if rows.parts > 1
+            else f"the rows of 1 of {rows.replicas} data-parallel ranks")
+    return ParatrainError(
+        f"{name} ({type(block).__name__}) is a mixture of experts whose forward leaves a loss-like scalar ({where}) "
+        f"computed from the tokens it sees, {sees}, and the loss uses it: an auxiliary loss of router statistics "
+        "(token shares times mean probabilities) over part of the batch is not the global batch's, and the run "
+        "would train to other weights than one process. Take the statistics over the global batch: probs = "
+        "paratrain.global_rows(probs) before computing them (with grad_accum=1 and no pipeline), or leave the "
+        "auxiliary loss out of the loss (or weight it 0)")
+
+
+def _refuse_if_weighted(refusal: ParatrainError) -> Callable[[torch.Tensor], None]:
+    """A hook on the scalar: its gradient is the loss's weight on it. Exactly zero (weighted 0, or reaching the loss
+    only through a product with an exact 0) changes no parameter's gradient, so the per-rank statistic is harmless;
+    anything else is refused, in the backward, before any parameter's gradient is computed from it. Every rank
+    weights the term alike (the loop's own constant), so every rank refuses in the same backward."""
+
+    def hook(grad: torch.Tensor) -> None:
+        if bool(grad.detach().ne(0).any()):
+            raise refusal
+
+    return hook
 
 
 def install(model: nn.Module) -> None:

@@ -5,7 +5,8 @@ Where one rank fails there (a layer that fails on its data, a trace that differs
 next collective and wait for it until the process group's timeout: one rank dead, the rest timing out. So the
 local work of a split ends in one collective every rank reaches whether it failed or not; it carries each rank's
 measurements and, in place of them, a failing rank's message, and when any rank failed every rank raises the same
-`ParatrainError`:
+`ParatrainError` (a `RefusedOnRank`, which `run.prepare`'s own agreement, `paratrain.agreement`, passes on as
+it is):
 
     rank 0   trace  measure  -- gather --> all ranks ok: the mean of the measurements
     rank 1   trace  FAILS    -- gather --> "rank 1: ..." raised on ranks 0 and 1 alike
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...errors import ParatrainError
+from ...errors import ParatrainError, RefusedOnRank
 
 
 class Agreement:
@@ -35,7 +36,7 @@ class Agreement:
         raises on every rank when any rank failed instead."""
         rows = self._gather(None, values)
         if len({len(row) for row in rows}) > 1:  # the ranks found different layers: they would cut differently
-            raise ParatrainError(
+            raise RefusedOnRank(
                 f"{self.what}: the ranks measured different layers ({[len(row) for row in rows]} measurements by "
                 "rank), so they would cut the model differently; build the same model on every rank (the same "
                 "config and seed) and give each rank an example batch of the same structure")
@@ -50,7 +51,7 @@ class Agreement:
         failed = [(rank, message) for rank, (message, _) in enumerate(box) if message is not None]
         if failed:
             ranks = [rank for rank, _ in failed]
-            raise ParatrainError(failed[0][1] if len(failed) == len(box) else
+            raise RefusedOnRank(failed[0][1] if len(failed) == len(box) else
                                  f"{failed[0][1]} (on rank(s) {ranks}; the other ranks stopped with them)")
         return [list(v) for _, v in box]
 

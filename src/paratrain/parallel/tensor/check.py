@@ -7,7 +7,8 @@ them per head. So `prepare` runs the example batch once through the whole model 
 first block of each kind (each class holding planned layers), the inputs it was given. Each way of sharding that
 block (a fused projection packed or interleaved; the block's size attributes whole or this rank's share:
 `local_sizes`) is tried on a copy of it fed a copy of those inputs — a key/value cache included, so no cache is ever
-fed twice — and the first way whose output and gradients equal the whole block's is kept, the same on every rank.
+fed twice; a block holding only the row-split half of a pair (BERT's `output`) this rank's slice of its first — and
+the first way whose output and gradients equal the whole block's is kept, the same on every rank.
 The copies carry weights of a trained model's size: at initialisation attention is nearly uniform, and heads grouped
 wrongly would differ by less than float noise. Outputs split over the ranks (eager attention's per-head weights,
 T5's position bias) are compared with this rank's slice of the whole one. A block no way makes exact is refused with
@@ -154,15 +155,30 @@ def choose(model: nn.Module, plan: dict[str, str], seen: dict[str, Seen], tp: in
         base, args = _trained_like(block), _unit(s.args)
         with _eval(base), torch.no_grad():
             whole = Seen(args, s.kwargs, base(*copied(args), **copied(s.kwargs)))
-        tried = [_try(base, inside, way, sizes, whole, tp, rank, shard) for way in options]
+        fed = _fed(whole, base, inside, rank, tp)
+        tried = [_try(base, inside, way, sizes, fed, tp, rank, shard) for way in options]
         passed = agree([why is None for why, _ in tried])
         pick = next((i for i, ok in enumerate(passed) if ok), None)
         if pick is None:  # what the code as written does (its sizes whole) says what to change
             written = next(i for i, way in enumerate(options) if not way.local_sizes)
             raise refusal(name, plan, tried[written][0] or "another rank's sharded block differs from the whole one")
-        partial = _partial_gradients(name, plan, base, tried[pick][1], whole, tp, rank, group, agree)
+        partial = _partial_gradients(name, plan, base, tried[pick][1], whole, fed, tp, rank, group, agree)
         chosen[name] = Choice(options[pick], sizes if options[pick].local_sizes else {}, partial)
     return chosen
+
+
+def _fed(whole: Seen, block: nn.Module, inside: dict[str, str], rank: int, tp: int) -> Seen:
+    """What the sharded block is fed: the whole block's inputs, except where its planned layers are all row-split
+    Linears and its first input is as wide as theirs (BERT's `output`, whose `dense` takes the split output of the
+    `intermediate` beside it): that input arrives split, so the block takes this rank's slice of it."""
+    layers = [block.get_submodule(n) for n in inside]
+    first = whole.args[0] if isinstance(whole.args, tuple) and whole.args else None
+    if (not layers or set(inside.values()) != {"rowwise"} or not isinstance(first, torch.Tensor)
+            or not first.is_floating_point() or first.dim() == 0 or first.shape[-1] % tp
+            or any(type(m) is not nn.Linear or m.in_features != first.shape[-1] for m in layers)):
+        return whole
+    width = first.shape[-1] // tp
+    return Seen((first.narrow(-1, rank * width, width), *whole.args[1:]), whole.kwargs, whole.output)
 
 
 def _unit(args: Any) -> Any:
@@ -217,14 +233,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, largest: float) -> bool:
         (got.double() - want.double()).abs().max() <= 1e-3 * scale + 1e-5 * largest)
 
 
-def _partial_gradients(name: str, plan: dict[str, str], block: nn.Module, trial: nn.Module, seen: Seen, tp: int,
-                       rank: int, group: Any, agree: Callable[[list[bool]], list[bool]]) -> list[str]:
+def _partial_gradients(name: str, plan: dict[str, str], block: nn.Module, trial: nn.Module, seen: Seen, fed: Seen,
+                       tp: int, rank: int, group: Any, agree: Callable[[list[bool]], list[bool]]) -> list[str]:
     """The block's whole parameters whose gradient each rank computes for its share of the heads (a q/k norm over
     the local heads): the ranks' gradients sum to the whole one, so they are summed over the ranks in training.
     A parameter whose gradient is neither refuses the block."""
     import torch.distributed as dist
 
-    want, got = _gradients(copy.deepcopy(block), seen, 0, 1), _gradients(trial, seen, rank, tp)
+    want, got = _gradients(copy.deepcopy(block), seen, 0, 1), _gradients(trial, fed, rank, tp)
     largest = max((float(g.abs().max()) for g in want.values() if g.numel()), default=0.0)
     flags: list[bool] = []
     for param in sorted(want):

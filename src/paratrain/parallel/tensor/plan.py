@@ -3,9 +3,10 @@ layer (output features split over the tensor ranks) feeding a "rowwise" one (inp
 fused projections split per part, expert weights split per expert.
 
 Plans come, first match wins, from the user (`tp_plan={"blocks.*.attn.q": "colwise", ...}`), from the model's
-own declaration (a Hugging Face model's config carries `base_model_tp_plan`; found on the model or on a Hugging Face
-model the user's module holds), or from the structure of the usual blocks: q/k/v projections and their output
-projection, MLP up/gate and down, fused qkv and gate/up projections. Whatever the source, the plan is resolved to
+own declaration (a Hugging Face model's config carries `base_model_tp_plan`, and from transformers 5.25 its experts
+in `base_model_ep_plan`; found on the model or on a Hugging Face model the user's module holds), or from the
+structure of the usual blocks: q/k/v projections and their output projection, MLP up/gate and down, fused qkv and
+gate/up projections. Whatever the source, the plan is resolved to
 the user's module names here, so it can be printed, checked and refused by name. A fused projection found by
 structure is planned as `fused`: whether its parts are packed one after another (GPT-2's `c_attn`: all of q, then
 k, then v) or interleaved per head (GPT-NeoX's `query_key_value`) is a property of the forward, which the check on
@@ -21,12 +22,13 @@ from typing import Any
 from torch import nn
 
 from ...errors import ParatrainError
-from .styles import HF_STYLES, STYLES, in_features, is_conv1d, out_features
+from .styles import HF_EP_EXPERTS, HF_STYLES, STYLES, expert_styles, in_features, is_conv1d, out_features
 
 FUSED = "fused"
 """A structural plan's style for a fused projection: packed or interleaved, settled by the check."""
 
-_QKV = re.compile(r"^(q|k|v|wq|wk|wv|q_proj|k_proj|v_proj|query|key|value|q_lin|k_lin|v_lin)$")
+_QKV = re.compile(r"^(q|k|v|wq|wk|wv|q_proj|k_proj|v_proj|query|key|value|q_lin|k_lin|v_lin|query_proj|key_proj|"
+                  r"value_proj|pos_key_proj|pos_query_proj)$")
 _OUT = re.compile(r"^(o|wo|o_proj|out_proj|proj|c_proj|dense|out_lin)$")
 _UP = re.compile(r"^(w1|w3|up|gate|up_proj|gate_proj|fc1|c_fc|fc_in|lin1|dense_h_to_4h|wi|wi_0|wi_1)$")
 _DOWN = re.compile(r"^(w2|down|down_proj|fc2|c_proj|fc_out|lin2|dense_4h_to_h|wo)$")
@@ -74,7 +76,9 @@ def _declaring(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         inside = any(outer == "" or name == outer or name.startswith(f"{outer}.") for outer, _ in found)
-        if not inside and getattr(getattr(module, "config", None), "base_model_tp_plan", None):
+        config = getattr(module, "config", None)
+        declares = getattr(config, "base_model_tp_plan", None) or getattr(config, "base_model_ep_plan", None)
+        if not inside and declares:
             found.append((name, module))
     return found
 
@@ -84,13 +88,14 @@ def _hf_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
     if not owners:
         return None
     plan: dict[str, str] = {}
+    from_ep = False
     for path, owner in owners:
         config: Any = owner.config
         prefix = getattr(owner, "base_model_prefix", "")
         inner = prefix and isinstance(getattr(owner, prefix, None), nn.Module)
         base = ".".join(p for p in (path, prefix if inner else "") if p)
         patterns = {}
-        for key, style in config.base_model_tp_plan.items():
+        for key, style in (config.base_model_tp_plan or {}).items():
             ours = HF_STYLES.get(style)
             if ours is None:
                 raise ParatrainError(
@@ -98,15 +103,37 @@ def _hf_plan(model: nn.Module) -> tuple[dict[str, str], str] | None:
                     f"{style!r}, which paratrain does not map (it maps {', '.join(sorted(HF_STYLES))}); pass "
                     "setup(tp_plan=...) with colwise/rowwise pairs for this model")
             patterns[f"{base}.{key}" if base else key] = ours
-        plan.update(resolve(model, patterns, f"{type(config).__name__}.base_model_tp_plan", strict=False))
+        declared = resolve(model, patterns, f"{type(config).__name__}.base_model_tp_plan", strict=False)
+        experts = _ep_experts(model, getattr(config, "base_model_ep_plan", None) or {}, base, declared)
+        plan.update(declared)
+        plan.update(experts)
+        from_ep = from_ep or bool(experts)
     where = type(owners[0][1]).__name__
-    return plan, f"{where}'s config (base_model_tp_plan)"
+    return plan, f"{where}'s config (base_model_tp_plan{', experts from base_model_ep_plan' if from_ep else ''})"
+
+
+def _ep_experts(model: nn.Module, ep_plan: dict[str, str], base: str, declared: dict[str, str]) -> dict[str, str]:
+    """The experts modules a Hugging Face `base_model_ep_plan` names (transformers 5.25 on; before, the tensor plan
+    named them as `moe_tp_experts`), as `experts` entries with their weights' styles read from each module
+    (`expert_styles`): what expert parallelism splits by expert, tensor parallelism splits inside every expert. The
+    tensor plan's own entries come first; the ep plan's other entries place layers on the expert mesh, which
+    tensor parallelism has no part in."""
+    patterns = {f"{base}.{key}" if base else key: "experts" for key, style in ep_plan.items() if style == HF_EP_EXPERTS}
+    found: dict[str, str] = {}
+    for name in resolve(model, patterns, "base_model_ep_plan", strict=False):
+        if any(n == name or n.startswith(f"{name}.") for n in declared):
+            continue
+        styles = expert_styles(model.get_submodule(name))
+        if styles:
+            found[name] = "experts"
+            found.update({f"{name}.{p}": s for p, s in styles.items()})
+    return found
 
 
 def _structural_plan(model: nn.Module) -> dict[str, str]:
     """Colwise/rowwise pairs found by name among each module's direct Linear children (fused projections as
-    `fused`), a head-indexed Embedding beside an attention's projections (T5's relative position bias), and MLPs
-    written as nn.Sequential(Linear, activation, Linear)."""
+    `fused`), a head-indexed Embedding beside an attention's projections (T5's relative position bias), MLPs
+    written as nn.Sequential(Linear, activation, Linear), and pairs split over two sibling modules (`_split_pair`)."""
     plan: dict[str, str] = {}
     for parent_name, parent in model.named_modules():
         children = {n: m for n, m in parent.named_children() if _is_linear(m)}
@@ -131,6 +158,42 @@ def _structural_plan(model: nn.Module) -> dict[str, str]:
             continue
         if isinstance(parent, nn.Sequential):
             plan.update(_sequential_mlp(parent, prefix))
+        plan.update(_split_pair(parent, prefix))
+    return plan
+
+
+def _split_pair(parent: nn.Module, prefix: str) -> dict[str, str]:
+    """BERT's layout (RoBERTa, DeBERTa-v2, ELECTRA, Hugging Face ViT alike): each half of a pair sits in its
+    own child module, so no module holds both. An attention's `self.query/key/value` (DeBERTa-v2's `query_proj`...)
+    feed `output.dense`, the sibling after it; an MLP's `intermediate.dense` (followed only by its activation)
+    feeds `output.dense`, which maps the intermediate width back. The first half is colwise, the second rowwise:
+    the split activations pass from one module to the next as they would inside one."""
+    if isinstance(parent, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return {}  # a container's items are repeated blocks, not the halves of one
+    holders = [(name, child, {n: m for n, m in child.named_children() if _is_linear(m)})
+               for name, child in parent.named_children() if not _is_linear(child)]
+    holders = [h for h in holders if h[2]]
+    plan: dict[str, str] = {}
+    for (first, module, ins), (second, _, outs) in zip(holders, holders[1:]):
+        if len(outs) != 1:
+            continue
+        (down_name, down), = outs.items()
+        if not (_OUT.match(down_name) or _DOWN.match(down_name)):
+            continue
+        qkv = [n for n in ins if _QKV.match(n)]
+        if len(qkv) >= 3 and not any(_OUT.match(n) or _FUSED_QKV.match(n) for n in ins):
+            if in_features(down) in {out_features(ins[n]) for n in qkv}:
+                plan.update({f"{prefix}{first}.{n}": "colwise" for n in qkv})
+                plan[f"{prefix}{second}.{down_name}"] = "rowwise"
+            continue
+        if len(ins) != 1:
+            continue
+        (up_name, up), = ins.items()
+        others = [m for n, m in module.named_children() if n != up_name]
+        if ((_UP.match(up_name) or _OUT.match(up_name)) and not any(True for m in others for _ in m.parameters())
+                and in_features(down) == out_features(up) and out_features(down) == in_features(up)):
+            plan[f"{prefix}{first}.{up_name}"] = "colwise"
+            plan[f"{prefix}{second}.{down_name}"] = "rowwise"
     return plan
 
 
@@ -157,10 +220,33 @@ def _sequential_mlp(seq: nn.Sequential, prefix: str) -> dict[str, str]:
 
 
 def _listing(model: nn.Module) -> str:
-    names = list(_linears(model))
+    """The model's Linear layers in its own paths, folded over repeated blocks (`layers.*.fc`), and a plan to start
+    from written in those paths."""
+    folded: dict[str, nn.Module] = {}
+    for name, module in _linears(model).items():
+        folded.setdefault(re.sub(r"(?<=\.)\d+(?=\.)", "*", name), module)
+    names = list(folded)
+    if not names:
+        return "its Linear layers: none (tensor parallelism shards Linear layers); use a data-parallel layout"
     shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
-    return (f"its Linear layers: {shown or 'none'}; name the pairs yourself, e.g. "
-            "setup(tp_plan={'blocks.*.attn.q': 'colwise', 'blocks.*.attn.out': 'rowwise'})")
+    example = ", ".join(f"{n!r}: {s!r}" for n, s in _example_pair(folded).items())
+    return (f"its Linear layers: {shown}; name the pairs yourself, a colwise layer feeding a rowwise one, e.g. "
+            f"setup(tp_plan={{{example}}})")
+
+
+def _example_pair(folded: dict[str, nn.Module]) -> dict[str, str]:
+    """Two consecutive layers whose widths chain (the first's output features are the second's input), those of a
+    repeated block first; a lone layer split with its output gathered again."""
+    items = list(folded.items())
+    chained = [(a, b) for (a, first), (b, second) in zip(items, items[1:])
+               if out_features(first) == in_features(second)]
+    repeated = [(a, b) for a, b in chained if "*" in a and "*" in b]
+    if repeated or chained:
+        a, b = (repeated or chained)[0]
+        return {a: "colwise", b: "rowwise"}
+    if len(items) == 1:
+        return {items[0][0]: "colwise_gather_output"}
+    return {items[0][0]: "colwise", items[1][0]: "rowwise"}
 
 
 def find_plan(model: nn.Module, user: dict[str, str] | None) -> tuple[dict[str, str], str]:

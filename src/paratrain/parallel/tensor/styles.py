@@ -50,6 +50,11 @@ HF_STYLES = {
 """Hugging Face `base_model_tp_plan` styles -> paratrain's. The replicated ones stay exact (a layer left whole
 computes what it computed); sequence parallelism only saves activation memory."""
 
+HF_EP_EXPERTS = "ep_dispatch_experts"
+"""The Hugging Face `base_model_ep_plan` style of an experts module (transformers 5.25 moved the experts there from
+`base_model_tp_plan`); its weights are `grouped_gemm` there, split on the expert dimension, which says nothing of
+how tensor parallelism splits each expert: `expert_styles` reads that from the module."""
+
 LOCAL_REASON = "tensor parallel (local shards)"
 """Why `_forwards` records the replaced forward of a layer that runs on its local pieces."""
 
@@ -259,6 +264,26 @@ EXPERT_PLACEMENTS: dict[str, str | int] = {"packed_colwise": "strided", "colwise
 up fused along `out`) a slice of each half of `out`, `colwise` along `out`, `rowwise` along `in`."""
 
 
+_USUAL_EXPERT_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "w1": "colwise", "w3": "colwise",
+                        "w2": "rowwise", "up_proj": "colwise", "gate_proj": "colwise"}
+
+
+def expert_styles(module: nn.Module) -> dict[str, str] | None:
+    """The Hugging Face styles splitting every weight of an experts module by its name (`gate_up_proj` packed, or
+    column-wise where Hugging Face interleaves gate and up, `down_proj` row-wise, ...); None where one cannot be split
+    that way (weights stored transposed, a bias, a norm inside the module): the module then stays whole."""
+    params = dict(module.named_parameters(recurse=False))
+    nested = any(True for child in module.children() for _ in child.parameters())
+    if not params or nested or getattr(module, "is_transposed", False):
+        return None
+    styles = {n: _USUAL_EXPERT_STYLES.get(n) for n, p in params.items() if p.dim() == 3}
+    if len(styles) != len(params) or None in styles.values():
+        return None
+    if styles.get("gate_up_proj") and getattr(module, "is_concatenated", True) is False:
+        styles["gate_up_proj"] = "colwise"  # [gate0, up0, gate1, up1, ...]: a contiguous slice keeps the pairs
+    return {n: s for n, s in styles.items() if s is not None}
+
+
 def experts_placements(module: nn.Module, declared: dict[str, str], name: str) -> dict[str, Any]:
     """Placements of an experts module's weights from their declared styles ({parameter: HF style}), or, declared
     nothing, the usual layout: `gate_up_proj` packed, `down_proj` row-wise, or `w1`/`w3` column-wise and `w2`
@@ -268,9 +293,7 @@ def experts_placements(module: nn.Module, declared: dict[str, str], name: str) -
 
     params = dict(module.named_parameters(recurse=False))
     if not declared:
-        declared = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "w1": "colwise", "w3": "colwise",
-                    "w2": "rowwise", "up_proj": "colwise", "gate_proj": "colwise"}
-        declared = {k: v for k, v in declared.items() if k in params}
+        declared = {k: v for k, v in _USUAL_EXPERT_STYLES.items() if k in params}
     found: dict[str, Any] = {}
     for pname, style in declared.items():
         p = params.get(pname)
