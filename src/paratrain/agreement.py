@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from .runtime import Placement
 
 _ROOT = "paratrain/agree/"
+_RUNS = [0]
+"""`setup` calls in this process so far: each run agrees under keys of its own, since a store can outlive a run
+(torchrun's agent store under env://), and every rank calls `setup` as often as the others."""
 
 
 class Refusals:
@@ -39,6 +42,8 @@ class Refusals:
     def __init__(self, store: Any, rank: int = 0, world_size: int = 1, timeout_s: float = 600.0) -> None:
         self.store: Any = store if world_size > 1 else None
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        _RUNS[0] += 1
+        self.run = _RUNS[0]
         self.phases = 0
         """Phases this rank has ended, agreed or refused: every rank goes through the same ones in the same order."""
 
@@ -57,7 +62,7 @@ class Refusals:
         return cls(store, placement.rank, placement.world_size, timeout_s)
 
     def _key(self, phase: int, what: str) -> str:
-        return f"{_ROOT}{phase}/{what}"
+        return f"{_ROOT}{self.run}/{phase}/{what}"
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
