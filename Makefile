@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # of CPU for the project's modules alone). Compiled on first import, so only the modules in use are compiled.
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: setup lock test test-latest test-quick test-compile test-archs test-gpu lint typecheck bench limits clean
+.PHONY: setup lock test test-full test-latest test-quick test-compile test-archs test-gpu lint typecheck bench limits clean
 
 setup: $(STAMP)
 
@@ -72,6 +72,11 @@ test: setup lint
 	$(VENV)/bin/mypy src/paratrain > $(VENV)/mypy.log 2>&1 & checker=$$!; status=0; \
 	$(VENV)/bin/pytest -q -n 2 --dist loadscope || status=$$?; \
 	wait $$checker || { status=1; echo "mypy failed:"; }; cat $(VENV)/mypy.log; exit $$status
+
+# every cell of every grid: make test plus the extended tier (tests/conftest.py EXTENDED, test_resume_layouts.py's
+# whole grid), about 22 minutes on 2 cores
+test-full: setup lint
+	PARATRAIN_TEST_FULL=1 $(VENV)/bin/pytest -q -n 2 --dist loadscope
 
 # pure logic and one-rank tests: the inner loop (about a minute after setup)
 test-quick: setup

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+FULL = os.environ.get("PARATRAIN_TEST_FULL") == "1"
+"""`make test-full`: every cell of the grids, the extended tier (tests/conftest.py EXTENDED) included."""
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
