@@ -108,11 +108,15 @@ EXTENDED = {
     "test_orphans.py::test_launch_killed_leaves_no_worker[spawned-alone]",
     "test_orphans.py::test_launch_killed_leaves_no_worker[warm-group]",
     "test_orphans.py::test_an_elastic_restart_is_not_the_agent_dying",  # test_resume's restarts, tied the same way
+    # whole modules
+    "test_resume_layouts.py",  # every layout's checkpoint under every other: test_checkpoint, test_fsdp, test_moe,
+    # test_tensor_parallel and test_context_parallel each resume across layouts and world sizes in make test
+    "test_pipeline_archs.py",  # library models under pp: test_architectures' CI cells (Mixtral, ViT, ConvNeXt)
 }
 """The extended tier: grid cells `make test` leaves to `make test-full` (PARATRAIN_TEST_FULL=1) to stay within its
 12 minutes on 2 cores. Each repeats, on another layout or variant, machinery a cell that stays runs (named beside
-it where not obvious); test_resume_layouts.py keeps its own list (CI_LAYOUTS). Deselected, never skipped: the
-report counts them as deselected."""
+it where not obvious); an entry without `::` is a whole module. Deselected, never skipped: the report counts them as
+deselected."""
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int) -> None:
     """The releases the suite ran on, at the end of every report (quiet ones too): a failure that follows a new
@@ -134,10 +138,14 @@ def _releases() -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not FULL:
-        extended = [item for item in items if item.nodeid.removeprefix("tests/") in EXTENDED]
-        if extended:
-            config.hook.pytest_deselected(items=extended)
-            items[:] = [item for item in items if item.nodeid.removeprefix("tests/") not in EXTENDED]
+        def extended(item: pytest.Item) -> bool:
+            node = item.nodeid.removeprefix("tests/")
+            return node in EXTENDED or node.split("::")[0] in EXTENDED
+
+        left = [item for item in items if extended(item)]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = [item for item in items if not extended(item)]
     for item in items:
         marks = {mark.name for mark in item.iter_markers()}
         if not marks & {"procs", "slow", "gpu"} and item.module.__name__.rsplit(".", 1)[-1] not in PROCESS_MODULES:

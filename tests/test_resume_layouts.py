@@ -27,7 +27,7 @@ import pytest
 import torch
 import trace_cache
 import zoo
-from helpers import FULL, fork_from_traced_template, max_diff
+from helpers import fork_from_traced_template, max_diff
 from matrix_cells import full_state
 from zoo.reference import chunk, global_batches
 
@@ -36,7 +36,7 @@ import paratrain
 STEPS = 3
 SAVED_AT = 2
 SIZES = (8,) * STEPS
-ALL_LAYOUTS: dict[str, tuple[str, int, dict[str, Any]]] = {
+LAYOUTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "single": ("single", 1, {}),
     "fsdp": ("fsdp", 2, {}),
     "pp-4-stages": ("pp", 2, {"schedule": "interleaved-1f1b", "stages_per_worker": 2, "balance": "equal"}),
@@ -50,11 +50,6 @@ ALL_LAYOUTS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "mp": ("mp", 1, {"devices": ["cpu", "cpu"], "balance": "equal"}),
     "ddp+mp": ("ddp+mp", 2, {"devices_per_worker": 2, "balance": "equal"}),
 }
-CI_LAYOUTS = ("single", "fsdp", "fsdp+tp", "tp+pp")
-"""What `make test` saves and loads (16 of the 144 moves): world sizes 1, 2 and 4, FSDP shards, DTensors on a 2-D
-mesh, and pipelines of DTensor stages; the whole grid is `make test-full` (PARATRAIN_TEST_FULL=1), each move there
-checked the same way."""
-LAYOUTS = {k: v for k, v in ALL_LAYOUTS.items() if FULL or k in CI_LAYOUTS}
 
 
 def _schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
