@@ -267,3 +267,12 @@ def refused_list(path: Path) -> tuple[dict[str, str], int]:
             label, reason = (part.strip() for part in line.split("|", 1))
             cells[label] = reason
     return cells, recorded
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan reaped by nobody is dead all the same)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import alive
 
 import paratrain
 from paratrain import ParatrainError, runtime
@@ -125,14 +126,6 @@ class Lines:
         return [int(s.rsplit(" ", 1)[1]) for s in self.seen if s.split("] ", 1)[-1].startswith(f"{tag} ")]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _describe(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -153,7 +146,7 @@ def _workers_under(tmp: Path) -> list[int]:
                 cmd = f.read().decode(errors="replace")
         except OSError:
             continue
-        if "paratrain.launcher._worker" in cmd and str(tmp) in cmd and _alive(int(entry)):
+        if "paratrain.launcher._worker" in cmd and str(tmp) in cmd and alive(int(entry)):
             found.append(int(entry))
     return found
 
@@ -214,14 +207,14 @@ def test_launch_from_a_script(tmp_path: Path, warm: str) -> None:
         pids += out.pids("KILL_ME")
         assert len(pids) == 8
         deadline = time.monotonic() + 30  # a SIGKILLed process takes a moment to be torn down
-        while (_workers_under(tmp_path) or any(map(_alive, pids))) and time.monotonic() < deadline:
+        while (_workers_under(tmp_path) or any(map(alive, pids))) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _workers_under(tmp_path) == []
-        assert [_describe(pid) for pid in pids if _alive(pid)] == []
+        assert [_describe(pid) for pid in pids if alive(pid)] == []
         deadline = time.monotonic() + 30
-        while any(map(_alive, res["templates"])) and time.monotonic() < deadline:
+        while any(map(alive, res["templates"])) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert [_describe(pid) for pid in res["templates"] if _alive(pid)] == []
+        assert [_describe(pid) for pid in res["templates"] if alive(pid)] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

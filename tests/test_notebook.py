@@ -14,6 +14,7 @@ from pathlib import Path
 import nbclient
 import nbformat
 import pytest
+from helpers import alive
 
 CELLS = [
     """
@@ -73,14 +74,6 @@ def _stream_text(cell, name: str = "stdout") -> str:  # type: ignore[no-untyped-
     return "".join(o["text"] for o in cell.outputs if o.get("output_type") == "stream" and o["name"] == name)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_launch_from_a_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
@@ -118,5 +111,5 @@ def test_launch_from_a_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     pids = [int(line.rsplit(" ", 1)[1]) for line in failing_out.splitlines() if "worker pid" in line]
     pids += [r["pid"] for r in results]
     assert len(pids) == 4
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]
     assert os.getpid() not in pids

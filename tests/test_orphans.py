@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, cli_env, kept_template_pids, paratrain
+from helpers import ROOT, alive, cli_env, kept_template_pids, paratrain
 
 from paratrain.launcher import _lifeline
 
@@ -51,15 +51,6 @@ MARK = "PARATRAIN_TEST_ORPHANS"
 """An environment variable each test's launcher gets, inherited by what it starts: a leftover is found by it."""
 
 
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (an orphan reaped by nobody is dead all the same)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _marked(mark: str) -> set[int]:
     """Live processes started with MARK=mark in their environment."""
     found = set()
@@ -72,7 +63,7 @@ def _marked(mark: str) -> set[int]:
                         found.add(int(entry))
             except OSError:
                 pass
-    return {pid for pid in found if _alive(pid)}
+    return {pid for pid in found if alive(pid)}
 
 
 def _beats(folder: Path) -> dict[str, tuple[int, int]]:
@@ -145,12 +136,12 @@ def _kill_and_check(launcher: Launcher, how: str, keep: frozenset[int] = frozens
         os.kill(launcher.proc.pid, signal.SIGKILL)
     launcher.proc.wait(10)
     pids = {pid for pair in beats.values() for pid in pair} - keep - {launcher.proc.pid}
-    assert _within(WITHIN_S, lambda: not any(_alive(p) for p in pids) and not _marked(launcher.mark)), \
-        f"still running {WITHIN_S:g}s later: {sorted(p for p in pids | _marked(launcher.mark) if _alive(p))}"
+    assert _within(WITHIN_S, lambda: not any(alive(p) for p in pids) and not _marked(launcher.mark)), \
+        f"still running {WITHIN_S:g}s later: {sorted(p for p in pids | _marked(launcher.mark) if alive(p))}"
     sizes = {p.name: p.stat().st_size for p in launcher.folder.glob("beat-*")}
     time.sleep(0.5)  # several heartbeats' time: a writer left anywhere would have grown its file
     assert {p.name: p.stat().st_size for p in launcher.folder.glob("beat-*")} == sizes
-    assert all(_alive(pid) for pid in keep)
+    assert all(alive(pid) for pid in keep)
 
 
 WARM = {  # how `paratrain run` starts its workers: new processes, forks of its own template, or of the caller's
@@ -225,7 +216,7 @@ def test_a_worker_whose_agent_died_before_it_started_ends(tmp_path: Path) -> Non
                          text=True, timeout=30, env=cli_env(**WARM["spawned"]))
     worker = int(res.stdout.split()[0])
     try:
-        assert _within(WITHIN_S, lambda: not _alive(worker)), "the orphaned worker still runs"
+        assert _within(WITHIN_S, lambda: not alive(worker)), "the orphaned worker still runs"
     finally:
-        if _alive(worker):
+        if alive(worker):
             os.kill(worker, signal.SIGKILL)
