@@ -21,11 +21,11 @@ from torch.nn import functional as F
 
 from paratrain.errors import ParatrainError
 from paratrain.parallel import step_state
-from paratrain.parallel.context import apply_cp, means_causal, shares
+from paratrain.parallel.context import Documents, apply_cp, means_causal, packed_documents, shares
 from paratrain.parallel.dims import dims_for
 
 RUNS = (("cp", 2, ("rope", "llama", "llama-nocache")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
-        ("tp+cp", 4, ("llama", "llama-nocache")))
+        ("tp+cp", 4, ("llama", "llama-nocache")), ("ddp+fsdp+cp", 8, ("rope", "llama")))
 CHECKPOINTED = {"fsdp+cp": "full"}
 """Runs with activation checkpointing after the context step: the recomputation in the backward attends over the
 gathered keys and values again, as the forward did."""
@@ -79,7 +79,8 @@ class _ByHand(nn.Module):
         super().__init__()
         self.emb, self.masked = nn.Embedding(8, 8), masked
 
-    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.emb(ids)[:, None]
         if self.masked:  # causal, its first key padding: more than causal attention
             mask = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).tril()
@@ -96,9 +97,24 @@ def test_what_context_parallelism_cannot_make_exact_is_refused_by_name() -> None
         apply_cp(_ByHand(), None, 2, 0)(ids)
     with pytest.raises(ParatrainError, match="passes its own mask"):
         apply_cp(_ByHand(masked=True), None, 2, 0)(ids)
-    documents = torch.arange(4).repeat(2)[None].expand(2, -1)  # two documents of 4 packed in a row of 8
-    with pytest.raises(ParatrainError, match="position_ids other than each token's place"):
-        apply_cp(_ByHand(), None, 2, 0)(ids, position_ids=documents)
+    with pytest.raises(ParatrainError, match="neither the causal mask"):  # padding: no document rule makes it
+        apply_cp(_ByHand(masked=True), None, 2, 0)(ids, document_ids=torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_documents_are_read_where_positions_restart_and_masked_within_each_share() -> None:
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7], [5, 6, 7, 8, 9, 10, 11, 12]])
+    assert packed_documents(positions).tolist() == [[0] * 5 + [1] * 3, [0] * 8, [0] * 8]
+    assert packed_documents(positions[1:]) is None  # one document a row (an offset is not a restart)
+    head_and_tail = shares(8, 2, 0)  # places 0 1 6 7: document 0's first two tokens, document 1's last two
+    docs = Documents(packed_documents(positions[:1]), False)
+    within = docs.share(head_and_tail)
+    assert within[0].tolist() == [[True, False, False, False], [True, True, False, False],
+                                  [False, False, True, False], [False, False, True, True]]
+    every = torch.cat([shares(8, 2, r) for r in range(2)])  # keys in rank order: 0 1 6 7 2 3 4 5
+    whole = docs.across(every[None, :] <= head_and_tail[:, None], head_and_tail, every)
+    assert whole.shape == (1, 1, 4, 8)
+    assert whole[0, 0, 3].tolist() == [False, False, True, True, False, False, False, True]  # place 7: 6, 7, 5
+    assert whole[0, 0, 1].tolist() == [True, True, False, False, False, False, False, False]  # place 1: 0, 1
 
 
 def test_a_models_own_mask_is_taken_only_where_it_is_the_causal_mask_of_the_shares_positions() -> None:

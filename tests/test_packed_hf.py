@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,47 @@ def tiny_llama() -> torch.nn.Module:
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
 
+class PackedDecoder(torch.nn.Module):
+    """A user's RoPE decoder for packed rows: positions restart per document (`position_ids`), attention stays
+    inside each document (`document_ids`, masked with `data.document_mask`) — the arguments docs/usage.md names."""
+
+    def __init__(self) -> None:
+        from moe_cases import RopeBlock
+
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.blocks = torch.nn.ModuleList(RopeBlock(32) for _ in range(2))
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])[None].expand(input_ids.shape[0], -1)
+        mask = data.document_mask(document_ids)[:, None] if document_ids is not None else None
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = _attend_within(block, x, position_ids, mask)
+        return self.head(x)
+
+
+def _attend_within(block: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """`moe_cases.RopeBlock` with an attention mask (is_causal without one)."""
+    b, s, c = x.shape
+    q, k, v = block.qkv(block.ln1(x)).view(b, s, 3, block.heads, c // block.heads).permute(2, 0, 3, 1, 4)
+    q, k = block.rope(q, positions), block.rope(k, positions)
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    x = x + block.proj(attended.transpose(1, 2).reshape(b, s, c))
+    return x + block.mlp(block.ln2(x))
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "llama":
+        return tiny_llama()
+    return PackedDecoder()
+
+
 def write_documents(folder: Path) -> str:
     """The documents as one jsonl shard, in row order."""
     g = torch.Generator().manual_seed(1)
@@ -64,7 +106,11 @@ def packed_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def loss_fn(out: Any, labels: torch.Tensor) -> torch.Tensor:
     """The mean over the predicted tokens."""
-    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return F.cross_entropy(logits_of(out).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 def documents_of(batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -74,17 +120,17 @@ def documents_of(batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 
 def unpacked_step(model: torch.nn.Module, documents: list[torch.Tensor]) -> float:
     """One plain step on the documents one sequence each, the loss the mean over all their predicted tokens."""
-    total = sum(F.cross_entropy(model(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in documents)
+    total = sum(F.cross_entropy(logits_of(model(input_ids=d[None]))[0, :-1], d[1:], reduction="sum") for d in documents)
     loss = total / sum(len(d) - 1 for d in documents)
     loss.backward()
     return float(loss.detach())
 
 
-def train(path: str, strategy: str, mask: bool) -> dict[str, Any]:
+def train(path: str, strategy: str, mask: bool, name: str = "llama") -> dict[str, Any]:
     """Packed training through paratrain, beside (on one process) the plain loop on the documents unpacked."""
-    run = paratrain.setup(strategy=strategy, seed=0, accelerator="cpu")
-    model = tiny_llama()
-    if not mask:
+    run = paratrain.setup(strategy=strategy, seed=0, accelerator="cpu", timeout_s=120)
+    model = build(name)
+    if not mask and name == "llama":
         model.config.use_cache = False  # transformers then masks each document from where position_ids restart
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -100,7 +146,7 @@ def train(path: str, strategy: str, mask: bool) -> dict[str, Any]:
         losses.append(float(run.forward_backward(model, batch, packed_labels(batch), loss_fn)))
         optimizer.step()
         optimizer.zero_grad()
-        if run.world_size == 1:
+        if run.world_size == 1 or strategy == "cp":  # every cp rank holds the whole batch
             ref_losses.append(unpacked_step(reference, documents_of(batch)))
             ref_opt.step()
             ref_opt.zero_grad()
@@ -180,3 +226,22 @@ def test_peek_gives_the_first_batch_and_leaves_the_loader_where_it_was(tmp_path:
         assert torch.equal(loader.peek()["input_ids"], next(iter(loader))["input_ids"])  # epoch 1's first batch
     finally:
         run.close()
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ["llama", "decoder"])
+def test_packed_rows_under_cp_2_train_as_the_documents_unpacked(tmp_path: Path, name: str) -> None:
+    """Each rank holds a head and a tail chunk of every row, so documents cross the shares: rows of (5, 3) tokens
+    put document 1's first tokens on rank 0 and its last ones on rank 1 and the reverse for document 2."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    out = paratrain.launch(train, write_documents(tmp_path), "cp", False, name, nproc=2, timeout=150)
+    assert len(out["losses"]) == STEPS and out["losses"][0] != out["losses"][-1]
+    assert out["losses"] == pytest.approx(out["ref_losses"], abs=TOL)
+    assert max_diff(out["weights"], out["ref_weights"]) < TOL
+
+
+def test_the_packed_decoder_masks_its_documents_in_one_process(tmp_path: Path) -> None:
+    out = train(write_documents(tmp_path), "single", False, "decoder")
+    assert out["losses"] == pytest.approx(out["ref_losses"], abs=TOL)
+    assert max_diff(out["weights"], out["ref_weights"]) < TOL

@@ -8,9 +8,9 @@ The model's forward is wrapped once (`apply_cp`). Inside it:
 
       cp 2, 8 tokens:   chunks 0 1 2 3   rank 0: tokens 0 1 + 6 7   rank 1: tokens 2 3 + 4 5
 
-- the model is given the global positions of its tokens (`position_ids`; a batch bringing other ones, packed
-  documents, is refused), so rotary and absolute position embeddings see where each token is in the sequence,
-  not in its share; a Hugging Face model given no `attention_mask` is given one of ones (no padding), which is
+- the model is given the global positions of its tokens (`position_ids`, or the batch's own cut to the share:
+  packed documents restart them), so rotary and absolute position embeddings see where each token is in the
+  sequence, not in its share; a Hugging Face model given no `attention_mask` is given one of ones (no padding), which is
   what it would assume, since without it transformers (5.25 on, without a cache) reads the jump in a rank's
   positions from its head chunk to its tail chunk as the start of another packed document and masks across it,
   on that rank only;
@@ -24,8 +24,11 @@ The model's forward is wrapped once (`apply_cp`). Inside it:
   `cp` times over, which the data-parallel mean over the group then divides: the gradients one process gets).
 
 A mask the model passes itself is taken as causal attention over the gathered keys when it is exactly the causal
-mask of the share's positions (a model that builds its mask rather than leaving it to `is_causal`); any other
-mask (padding, packed documents) is refused by name.
+mask of the share's positions (a model that builds its mask rather than leaving it to `is_causal`), and as causal
+attention within each document when it is that mask within the documents of the share (`document_ids` the model
+takes, masked with `data.document_mask`); any other mask (padding) is refused by name. A Hugging Face model reads
+packed documents from restarting `position_ids` itself (without a cache or a padding mask); given the ones mask
+above it would not, so its documents are applied here, over the whole row (`Documents`).
 
 Attention paratrain cannot see (a softmax over scores computed by hand) would attend within each share only: it is
 refused by name at the first forward, as is a forward with no `position_ids` argument.
@@ -93,45 +96,111 @@ def means_causal(mask: torch.Tensor, positions: torch.Tensor) -> bool:
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
         return False
     positions = positions.to(mask.device)
-    causal = positions[None, :] <= positions[:, None]
+    attends = _attends(mask)
+    return attends is not None and bool((attends == (positions[None, :] <= positions[:, None])).all())
+
+
+def _attends(mask: torch.Tensor) -> torch.Tensor | None:
+    """A mask as booleans (True: attend): boolean, or additive (0: attend, the dtype's lowest or -inf: not); None
+    for an additive bias, which is not a mask."""
     if mask.dtype == torch.bool:
-        attends = mask
-    elif mask.is_floating_point():
-        attends = mask == 0
-        if not bool((attends | (mask <= torch.finfo(mask.dtype).min)).all()):
-            return False
-    else:
+        return mask
+    if not mask.is_floating_point():
+        return None
+    attends = mask == 0
+    return attends if bool((attends | (mask <= torch.finfo(mask.dtype).min)).all()) else None
+
+
+class Documents:
+    """The documents packed in each row of this forward's batch, as attention across the shares must see them.
+
+    `ids` (batch, length) numbers each token's document over the whole row (None: one document per row);
+    `applied` says that the attention calls mask them even where the model asks for causal attention, because the
+    model, run in one process, would (a Hugging Face model reading them from its `position_ids`, which is given a
+    padding mask of ones under `cp`, see `apply_cp`)."""
+
+    def __init__(self, ids: torch.Tensor | None, applied: bool) -> None:
+        self.ids, self.applied = ids, applied
+
+    def share(self, mine: torch.Tensor) -> torch.Tensor | None:
+        """Each query's document may attend to: the model's own mask over the share, where it masks documents."""
+        if self.ids is None:
+            return None
+        docs = self.ids.index_select(1, mine.to(self.ids.device))
+        causal = torch.ones(len(mine), len(mine), dtype=torch.bool, device=docs.device).tril()
+        return (docs[:, :, None] == docs[:, None, :]) & causal
+
+    def across(self, causal: torch.Tensor, mine: torch.Tensor, every: torch.Tensor) -> torch.Tensor:
+        """(batch, 1, share, whole): causal by place and within each query's document, keys in rank order."""
+        assert self.ids is not None
+        ids = self.ids.to(causal.device)
+        mine_docs, every_docs = ids.index_select(1, mine.to(ids.device)), ids.index_select(1, every.to(ids.device))
+        return (causal[None] & (mine_docs[:, :, None] == every_docs[:, None, :]))[:, None]
+
+
+def packed_documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document numbers of rows whose `position_ids` restart (a new document wherever a position is not the one
+    before it plus one: transformers' reading), or None where every row is one document."""
+    if position_ids.dim() != 2:
+        return None
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    ids = (step != 1).cumsum(-1)
+    return ids if bool((ids[:, -1] != 0).any()) else None
+
+
+def _same_mask(mask: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a boolean or additive mask means exactly `want` (True: attend), broadcast over batch and heads."""
+    attends = _attends(mask)
+    if attends is None:
         return False
-    return bool((attends == causal).all())
+    while want.dim() < attends.dim():
+        want = want.unsqueeze(1)  # (batch, share, share) against (batch, heads, share, share)
+    try:
+        return bool((attends == want.to(attends.device)).all())
+    except RuntimeError:  # shapes that do not broadcast: another batch
+        return False
 
 
 def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor,
-          gathered: torch.Tensor) -> Callable[..., Any]:
+          gathered: torch.Tensor, documents: Documents) -> Callable[..., Any]:
     """Attention from this rank's queries (global `positions`) to every rank's keys and values, gathered in one
-    collective in rank order (their global positions: `gathered`); the causal mask follows the positions, so
-    the keys need no reordering, and it is built once per forward. A mask the model passes is read once per
-    forward (`means_causal`)."""
-    masks: dict[torch.device, torch.Tensor] = {}
-    read: list[tuple[torch.Tensor, bool]] = []  # the model's masks met in this forward: one is usually every layer's
+    collective in rank order (their global positions: `gathered`); the mask follows the positions (and the
+    documents), so the keys need no reordering, and it is built once per forward. A mask the model passes is read
+    once per forward: the causal mask of the share's positions (`means_causal`), or that mask within the share's
+    documents (`Documents.share`), and is replaced by the same rule over the whole sequence."""
+    masks: dict[tuple[torch.device, bool], torch.Tensor] = {}
+    read: list[tuple[torch.Tensor, str | None]] = []  # the model's masks met in this forward: usually every layer's
+    own_documents = documents.share(positions)
 
-    def causal_mask(mask: torch.Tensor) -> bool:
+    def kind(mask: torch.Tensor) -> str | None:
         for known, verdict in read:
             if known is mask:
                 return verdict
-        read.append((mask, means_causal(mask, positions)))
-        return read[-1][1]
+        verdict = ("causal" if means_causal(mask, positions) else
+                   "documents" if own_documents is not None and _same_mask(mask, own_documents) else None)
+        read.append((mask, verdict))
+        return verdict
+
+    def whole_mask(device: torch.device, by_documents: bool) -> torch.Tensor:
+        if (device, by_documents) not in masks:
+            causal = gathered.to(device)[None, :] <= positions.to(device)[:, None]
+            masks[device, by_documents] = documents.across(causal, positions, gathered) if by_documents else causal
+        return masks[device, by_documents]
 
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None, **kwargs: Any) -> torch.Tensor:
+        by_documents = False
         if attn_mask is not None:
-            if is_causal or not isinstance(attn_mask, torch.Tensor) or not causal_mask(attn_mask):
+            verdict = kind(attn_mask) if isinstance(attn_mask, torch.Tensor) and not is_causal else None
+            if verdict is None:
                 raise ParatrainError(
-                    "context parallelism: an attention call passes its own mask (padding, or documents packed in "
-                    "one sequence: a Hugging Face model reads a jump in position_ids as one), which paratrain "
-                    "cannot rewrite for the whole sequence (it takes the causal mask of the share's positions); "
-                    "train without padding masks, pass a Hugging Face model inside yours attention_mask (ones), or "
-                    "drop 'cp' from the strategy")
-            attn_mask, is_causal = None, True
+                    "context parallelism: an attention call passes its own mask, which is neither the causal mask of "
+                    "the share's positions nor that mask within the documents of the batch's `document_ids` "
+                    "(padding, or documents read another way), so paratrain cannot rewrite it for the whole "
+                    "sequence; pack sequences instead of padding them, give the model `document_ids` and mask "
+                    "with paratrain.data.document_mask(document_ids), pass a Hugging Face model inside yours "
+                    "attention_mask (ones), or drop 'cp' from the strategy")
+            attn_mask, is_causal, by_documents = None, True, verdict == "documents"
         if dropout_p:
             raise ParatrainError("context parallelism: attention dropout would draw its mask per share, not as one "
                                  "process draws it; set the attention dropout to 0 or drop 'cp'")
@@ -139,9 +208,9 @@ def _sdpa(original: Callable[..., Any], gather: _Gather, positions: torch.Tensor
             keys, values = gather.shares(torch.stack([key, value]), -2).unbind(0)
         else:
             keys, values = gather.shares(key, -2), gather.shares(value, -2)
-        mask = masks.get(query.device) if is_causal else None
-        if is_causal and mask is None:
-            mask = masks[query.device] = gathered.to(query.device)[None, :] <= positions.to(query.device)[:, None]
+        mask = None
+        if is_causal:
+            mask = whole_mask(query.device, by_documents or (documents.applied and documents.ids is not None))
         return original(query, keys, values, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scale, **kwargs)
 
     return attention
@@ -168,10 +237,10 @@ class _HandWrittenAttention(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _attending(gather: _Gather, positions: torch.Tensor, gathered: torch.Tensor, local: int,
+def _attending(gather: _Gather, positions: torch.Tensor, gathered: torch.Tensor, documents: Documents, local: int,
                first: bool) -> Iterator[None]:
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _sdpa(original, gather, positions, gathered)  # type: ignore[assignment]
+    F.scaled_dot_product_attention = _sdpa(original, gather, positions, gathered, documents)  # type: ignore[assignment]
     watch = _HandWrittenAttention(local) if first else contextlib.nullcontext()
     try:
         with watch:
@@ -211,21 +280,16 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
                                  "(batch, sequence, ...) to share out")
         length = found[0].shape[1]
         mine, every = layout(length)
+        documents = _documents(model, unmasked, length, args, kwargs)
         cut = lambda t: t.index_select(1, mine.to(t.device)) if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
         args, kwargs = map_tensors(cut, (args, kwargs))
         batch, device = found[0].shape[0], found[0].device
         if kwargs.get("position_ids") is None:
             kwargs["position_ids"] = mine.to(device)[None, :].expand(batch, -1)
-        elif not _global(kwargs["position_ids"], mine):
-            raise ParatrainError(
-                "context parallelism: the batch brings position_ids other than each token's place in its row "
-                "(packed documents, or an offset), but attention across the ranks' shares is causal by place in the "
-                "row, which would let a document attend to the one before it; leave position_ids out (paratrain "
-                "passes each token's place), or drop 'cp' from the strategy")
         if unmasked is not None and not _passes_mask(unmasked, args, kwargs):
             kwargs["attention_mask"] = torch.ones(batch, len(mine), dtype=torch.long, device=device)
         calls[0] += 1
-        with _attending(gather, mine, every, len(mine), calls[0] == 1):
+        with _attending(gather, mine, every, documents, len(mine), calls[0] == 1):
             out = inner(*args, **kwargs)
         whole = lambda t: gather(t, 1) if t.dim() >= 2 and t.shape[1] == len(mine) else t  # noqa: E731
         return map_tensors(whole, out)
@@ -234,11 +298,34 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
     return model
 
 
-def _global(given: Any, mine: torch.Tensor) -> bool:
-    """Whether position_ids cut to the share are every token's place in its row (what paratrain would pass)."""
-    if not isinstance(given, torch.Tensor) or given.dim() == 0 or given.shape[-1] != len(mine):
-        return False
-    return bool((given == mine.to(given.device)).all())
+def _documents(model: nn.Module, hf: inspect.Signature | None, length: int, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Documents:
+    """The documents of this forward's rows (before they are cut): the `document_ids` the model is given, or those
+    a Hugging Face model reads from restarting `position_ids` itself: without a cache and without a padding mask
+    (then it is given ones, and its documents are applied here)."""
+    given = kwargs.get("document_ids")
+    if isinstance(given, torch.Tensor) and given.dim() == 2 and given.shape[1] == length:
+        return Documents(given, False)
+    positions = kwargs.get("position_ids")
+    if hf is None or not isinstance(positions, torch.Tensor) or positions.shape[-1] != length:
+        return Documents(None, False)
+    if _passes_mask(hf, args, kwargs) or _caches(model, kwargs):
+        return Documents(None, False)
+    return Documents(packed_documents(positions.expand(_rows(args, kwargs, positions), -1)), True)
+
+
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any], positions: torch.Tensor) -> int:
+    """Rows of the batch (position ids are sometimes one row for all)."""
+    rows = [t.shape[0] for t in tensors_in((args, kwargs)) if t.dim() >= 2 and t is not positions]
+    return rows[0] if rows else positions.shape[0]
+
+
+def _caches(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether a Hugging Face forward builds a key/value cache (then it reads no documents from positions)."""
+    if kwargs.get("past_key_values") is not None:
+        return True
+    use = kwargs.get("use_cache")
+    return bool(getattr(getattr(model, "config", None), "use_cache", False) if use is None else use)
 
 
 def _no_padding_mask(model: nn.Module) -> inspect.Signature | None:

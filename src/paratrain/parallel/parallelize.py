@@ -138,5 +138,6 @@ def _shard_mesh(dims: ParallelDims, mesh: Any) -> Any:
     if dims.dp_shard == 1:
         return None
     if dims.cp > 1:  # shards over the context-parallel ranks too: they hold one replica's weights (torchtitan)
-        return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else flat
     return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]

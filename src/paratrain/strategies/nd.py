@@ -54,11 +54,10 @@ class NDStrategy:
                 f"strategy {self.name!r}: expert parallelism runs beside data and tensor parallelism (ep, ddp+ep, "
                 "fsdp+ep, ddp+fsdp+ep, ddp+tp+ep, fsdp+tp+ep); with cp or pp it is not built: drop 'ep', or drop "
                 "'cp'/'pp'")
-        if dims.cp > 1 and (dims.pp > 1 or dims.dp_replicate > 1 and dims.dp_shard > 1):
+        if dims.cp > 1 and dims.pp > 1:
             raise ParatrainError(
-                f"strategy {self.name!r}: context parallelism runs beside tensor parallelism and one data-parallel "
-                "axis (cp, tp+cp, ddp+cp, fsdp+cp); with pp or hybrid sharding it is not built: drop 'cp', or drop "
-                "the other axes")
+                f"strategy {self.name!r}: context parallelism runs beside tensor parallelism and the data-parallel "
+                "axes (cp, tp+cp, ddp+cp, fsdp+cp, ddp+fsdp+cp); with pp it is not built: drop 'cp', or drop 'pp'")
         if dims.pp > 1:
             check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
 
