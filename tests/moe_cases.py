@@ -258,12 +258,16 @@ def plain(name: str) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 def experts_held(name: str, model: nn.Module) -> dict[str, list[int]]:
-    """Per MoE layer, the experts this rank computes: for stacked weights, the rows of the whole it holds."""
+    """Per MoE layer this rank holds (a pipeline stage holds some), the experts it computes: for stacked weights,
+    the rows of the whole it holds."""
     from paratrain.parallel.expert.find import find
 
     held: dict[str, list[int]] = {}
     for experts in find(build(name)):  # found on a fresh build: under ep the others' experts are stand-ins
-        module = model.get_submodule(experts.path)
+        try:
+            module = model.get_submodule(experts.path)
+        except AttributeError:  # another pipeline stage's layer
+            continue
         if experts.kind == "listed":
             held[experts.path] = [i for i, m in enumerate(module) if any(True for _ in m.parameters())]
             continue

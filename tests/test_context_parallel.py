@@ -25,7 +25,8 @@ from paratrain.parallel.context import Documents, apply_cp, means_causal, packed
 from paratrain.parallel.dims import dims_for
 
 RUNS = (("cp", 2, ("rope", "llama", "llama-nocache")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
-        ("tp+cp", 4, ("llama", "llama-nocache")), ("ddp+fsdp+cp", 8, ("rope", "llama")))
+        ("tp+cp", 4, ("llama", "llama-nocache")), ("ddp+fsdp+cp", 8, ("rope", "llama")),
+        ("cp+pp", 4, ("llama", "llama-nocache")), ("fsdp+cp+pp", 8, ("llama",)), ("tp+cp+pp", 8, ("llama-nocache",)))
 CHECKPOINTED = {"fsdp+cp": "full"}
 """Runs with activation checkpointing after the context step: the recomputation in the backward attends over the
 gathered keys and values again, as the forward did."""
@@ -144,12 +145,15 @@ def test_context_degrees_are_checked_with_their_arithmetic() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout(tmp_path: Path) -> None:
-    """Saved after one step of Llama under `fsdp+cp 4` (weights sharded over dp_shard x cp), resumed under `cp 2`:
-    the rest of the epoch lands on the uninterrupted run's losses and weights."""
+@pytest.mark.parametrize("saved", ["fsdp+cp", "cp+pp"])
+def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout(saved: str,
+                                                                                       tmp_path: Path) -> None:
+    """Saved after one step of Llama under `fsdp+cp 4` (weights sharded over dp_shard x cp) or `cp+pp 4` (each
+    stage's layers on its ranks), resumed under `cp 2`: the rest of the epoch lands on the uninterrupted run's losses
+    and weights."""
     import meta_cases
 
-    first = paratrain("run", "--nproc", "4", "tests/moe_worker.py", "fsdp+cp", str(tmp_path / "a"), "llama",
+    first = paratrain("run", "--nproc", "4", "tests/moe_worker.py", saved, str(tmp_path / "a"), "llama",
                       timeout=240, env=cli_env(MOE_SAVE=str(tmp_path / "ck")))
     assert first.returncode == 0, first.stdout[-4000:]
     step = next((tmp_path / "ck").glob("step-*"))
@@ -161,4 +165,20 @@ def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_
     assert json.loads((tmp_path / "b" / "losses.json").read_text())["llama"] == pytest.approx(ref_losses[1:], abs=1e-5)
     got = meta_cases.read_export(str(tmp_path / "b" / "llama"))
     worst = max((float((got[k] - ref[k]).abs().max()), k) for k in ref)
-    assert worst[0] < 1e-5, f"llama saved under fsdp+cp 4, resumed under cp 2: {worst}"
+    assert worst[0] < 1e-5, f"llama saved under {saved} 4, resumed under cp 2: {worst}"
+
+
+def test_a_pipeline_with_cp_or_ep_inside_its_stages_takes_a_decoders_own_blocks_or_refuses() -> None:
+    """Stages that hold expert or context parallelism are a transformers decoder's own blocks (`pipeline.blocks`):
+    a user model would be traced, and a traced stage runs neither the dispatch nor attention over the shares."""
+    from paratrain.parallel.pipeline.blocks import decoder_layers
+
+    with pytest.raises(ParatrainError, match="RopeDecoder is not a decoder-only causal LM as transformers builds it"):
+        decoder_layers(cases.build("rope"), None)
+    chain = decoder_layers(cases.build("llama"), None)
+    assert [name for name, _ in chain] == ["entry", "model.layers.0", "model.layers.1", "exit"]
+    names = {n for _, layer in chain for n, _ in layer.named_parameters()}
+    assert names == {n for n, _ in cases.build("llama").named_parameters()}  # the model's own names, each once
+    aux = cases.build("mixtral-aux")
+    with pytest.raises(ParatrainError, match="output_router_logits=True under a pipeline"):
+        decoder_layers(aux, None)

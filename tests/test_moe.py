@@ -20,6 +20,7 @@ from helpers import cli_env, paratrain
 
 from paratrain.errors import ParatrainError
 from paratrain.parallel import step_state
+from paratrain.parallel.dims import dims_for
 from paratrain.parallel.expert import router_stats
 from paratrain.parallel.expert.apply import Groups, apply_ep
 
@@ -27,7 +28,9 @@ RUNS = (("ep", 2, ("user", "user-grouped", "mixtral", "qwen2_moe", "user-aux-glo
         ("fsdp+ep", 4, ("user", "mixtral", "mixtral-aux"), 4),
         ("fsdp+ep:2", 4, ("user-aux-global", "qwen2_moe", "user-clip", "mixtral-clip"), 2),
         ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1),
-        ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip"), 2))
+        ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip"), 2),
+        ("ep+pp", 4, ("mixtral", "qwen2_moe"), 2), ("fsdp+ep+pp", 4, ("mixtral", "qwen2_moe"), 2),
+        ("tp+ep+pp", 8, ("mixtral", "qwen2_moe"), 2))
 """(layout[:ep_size], world, models, ranks of one expert group: each holds EXPERTS / that many experts). Under
 `fsdp+tp+ep` the attention is split over the tensor ranks and the experts over the expert ranks (the library's
 plan without its expert entries); the two ranks of a tensor group hold the same experts."""
@@ -61,8 +64,12 @@ def test_moe_layouts_match_plain_pytorch(layout: str, world: int, names: tuple[s
         assert set(got) == set(ref), f"{name}: exported {sorted(set(got) ^ set(ref))[:5]} differ from the state dict"
         worst = max((float((got[k] - ref[k]).abs().max()), k) for k in ref)
         assert worst[0] < 1e-5, f"{name} under {layout}: weights differ from the plain loop's: {worst}"
-        for path in set(held[0][name]) - {"tokens"}:
-            shares = [h[name][path] for h in held]
+        pp = dims_for(layout.partition(":")[0], world).pp
+        paths = {p for h in held for p in h[name]} - {"tokens"}
+        assert all(len(set(h[name]) - {"tokens"}) == len(paths) // pp for h in held)  # a stage's MoE layers only
+        for path in paths:
+            shares = [h[name][path] for h in held if path in h[name]]
+            assert len(shares) == world // pp, f"{name} {path}: held by {len(shares)} ranks"
             assert all(len(s) == cases.EXPERTS // group for s in shares), f"{name} {path}: {shares}"
             distinct = {tuple(s) for s in shares}  # one expert group's shares, repeated by replicas and tensor ranks
             assert len(distinct) == group and sorted(e for s in distinct for e in s) == list(range(cases.EXPERTS))
@@ -109,7 +116,6 @@ def test_expert_parallelism_with_a_pipeline_or_context_axis_is_refused_by_name()
 
 
 def test_expert_degrees_are_checked_with_their_arithmetic() -> None:
-    from paratrain.parallel.dims import dims_for
 
     assert dims_for("ep", 2).ep == 2 and dims_for("ep", 2).dp_replicate == 2
     assert (dims_for("fsdp+ep", 4, ep_size=2).ep, dims_for("fsdp+ep", 4).ep) == (2, 4)
@@ -122,8 +128,9 @@ def test_expert_degrees_are_checked_with_their_arithmetic() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("name", "saved", "resumed"), [("user", ("fsdp+ep", 4), ("ep", 2)),
-                                                        ("mixtral", ("ep", 2), ("ddp", 2))],
-                         ids=["user-fsdp+ep-to-ep", "mixtral-ep-to-ddp"])
+                                                        ("mixtral", ("ep", 2), ("ddp", 2)),
+                                                        ("mixtral", ("ep+pp", 4), ("fsdp+ep", 4))],
+                         ids=["user-fsdp+ep-to-ep", "mixtral-ep-to-ddp", "mixtral-ep+pp-to-fsdp+ep"])
 def test_a_checkpoint_resumes_with_the_experts_laid_out_anew(name: str, saved: tuple[str, int],
                                                              resumed: tuple[str, int], tmp_path: Path) -> None:
     import meta_cases

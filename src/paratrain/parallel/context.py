@@ -249,29 +249,54 @@ def _attending(gather: _Gather, positions: torch.Tensor, gathered: torch.Tensor,
         F.scaled_dot_product_attention = original  # type: ignore[assignment]
 
 
+class Share:
+    """One rank's share of every sequence: which places it holds, the attention over the group while a forward runs,
+    and the gather of outputs back into whole sequences. `apply_cp` uses it around a whole model; a pipeline's
+    block stages (`pipeline.blocks`) cut at the first stage, attend in every block and gather at the last."""
+
+    def __init__(self, group: Any, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+        self.gather = _Gather(group, size)
+        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._calls = 0
+
+    def layout(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's places in a sequence of `length`, and the group's places rank after rank (as a gather
+        returns them): integers fixed by the length, made once per length."""
+        if length not in self._layouts:
+            self._layouts[length] = (shares(length, self.size, self.rank),
+                                     torch.cat([shares(length, self.size, r) for r in range(self.size)]))
+        return self._layouts[length]
+
+    def cut(self, value: Any, length: int) -> Any:
+        """Every tensor of `value` with a sequence of `length` (dim 1), cut to this rank's places."""
+        mine = self.layout(length)[0]
+        return map_tensors(lambda t: t.index_select(1, mine.to(t.device))
+                           if t.dim() >= 2 and t.shape[1] == length else t, value)
+
+    def whole(self, value: Any, length: int) -> Any:
+        """Every tensor of `value` with this rank's share of a sequence of `length`, gathered into the whole."""
+        local = len(self.layout(length)[0])
+        return map_tensors(lambda t: self.gather(t, 1) if t.dim() >= 2 and t.shape[1] == local else t, value)
+
+    def attending(self, length: int, documents: Documents | None = None) -> contextlib.AbstractContextManager[None]:
+        """Attention calls from this rank's queries to the whole sequence while the context is open."""
+        mine, every = self.layout(length)
+        self._calls += 1
+        return _attending(self.gather, mine, every, documents or Documents(None, False), len(mine), self._calls == 1)
+
+
 def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
     """Make `model`'s forward run on this rank's share of each sequence (see the module docstring)."""
-    try:
-        accepts = "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    if not accepts:
+    if not takes_positions(model):
         raise ParatrainError(
             f"context parallelism: {type(model).__name__}.forward takes no position_ids, so its position embeddings "
             "would number each rank's share of the sequence from 0; add a `position_ids=None` argument that, when "
             "given, sets the positions its rotary or absolute embeddings use (Hugging Face models have one), or "
             "drop 'cp' from the strategy")
-    inner, calls = model.forward, [0]
+    inner = model.forward
     unmasked = _no_padding_mask(model)
-    layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    gather = _Gather(group, size)
-
-    def layout(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's positions of a sequence of `length`, and the group's positions rank after rank (as a gather
-        returns them): integers fixed by the length, made once per length."""
-        if length not in layouts:
-            layouts[length] = shares(length, size, rank), torch.cat([shares(length, size, r) for r in range(size)])
-        return layouts[length]
+    share = Share(group, size, rank)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         found = [t for t in tensors_in((args, kwargs)) if t.dim() >= 2]
@@ -279,23 +304,27 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
             raise ParatrainError("context parallelism: the model's inputs hold no tensor with a sequence dimension "
                                  "(batch, sequence, ...) to share out")
         length = found[0].shape[1]
-        mine, every = layout(length)
+        mine = share.layout(length)[0]
         documents = _documents(model, unmasked, length, args, kwargs)
-        cut = lambda t: t.index_select(1, mine.to(t.device)) if t.dim() >= 2 and t.shape[1] == length else t  # noqa: E731
-        args, kwargs = map_tensors(cut, (args, kwargs))
+        args, kwargs = share.cut((args, kwargs), length)
         batch, device = found[0].shape[0], found[0].device
         if kwargs.get("position_ids") is None:
             kwargs["position_ids"] = mine.to(device)[None, :].expand(batch, -1)
         if unmasked is not None and not _passes_mask(unmasked, args, kwargs):
             kwargs["attention_mask"] = torch.ones(batch, len(mine), dtype=torch.long, device=device)
-        calls[0] += 1
-        with _attending(gather, mine, every, documents, len(mine), calls[0] == 1):
+        with share.attending(length, documents):
             out = inner(*args, **kwargs)
-        whole = lambda t: gather(t, 1) if t.dim() >= 2 and t.shape[1] == len(mine) else t  # noqa: E731
-        return map_tensors(whole, out)
+        return share.whole(out, length)
 
     _forwards.replace(model, forward, REASON)
     return model
+
+
+def takes_positions(model: nn.Module) -> bool:
+    try:
+        return "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _documents(model: nn.Module, hf: inspect.Signature | None, length: int, args: tuple[Any, ...],

@@ -63,8 +63,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, ctx: Context, example: Any
     model = place(model, ctx.device)  # a meta model stays meta: each rank's share is made real after
     mesh = dims.build_mesh(ctx.device.type)
     plan = _tensor(model, mesh, dims, ctx, example) if dims.tp > 1 else None
-    if dims.pp > 1:
-        return stages(_pipeline(model, mesh, dims, ctx, example, name, plan), ctx)
+    if dims.pp > 1:  # the stages are split next; context and expert parallelism then live inside them
+        own = set(_experts(model, dims, ctx).params) if dims.ep > 1 else set()
+        return stages(_pipeline(model, mesh, dims, ctx, example, name, plan, own), ctx)
     if dims.cp > 1:
         from .context import apply_cp
 
@@ -105,18 +106,27 @@ def _without_experts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def _pipeline(model: nn.Module, mesh: Any, dims: ParallelDims, ctx: Context, example: Any, name: str,
-              plan: dict[str, Any] | None) -> Stages:
+              plan: dict[str, Any] | None, experts: set[nn.Parameter]) -> Stages:
+    """Expert and context parallelism inside the stages need stages of the model's own blocks (`pipeline.blocks`):
+    a traced stage cannot run an expert dispatch or attention over the shares."""
+    from .context import Share
     from .pipeline.pipelining import PipelineModule
 
     cfg = ctx.config
+    share = Share(mesh["cp"].get_group(), dims.cp, mesh.get_local_rank("cp")) if dims.cp > 1 else None
     pipe = PipelineModule(
         model, schedule=cfg.schedule, pp_rank=mesh.get_local_rank("pp"), pp=dims.pp,
         per_worker=cfg.stages_per_worker, device=ctx.device, microbatches=cfg.microbatches,
         balance=cfg.balance, example=example, group=mesh.get_group("pp"), strategy=name,
         batchnorm=cfg.batchnorm, checkpointing=cfg.activation_checkpointing, compiling=cfg.compiling,
-        tp_plan=plan, shard_mesh=_shard_mesh(dims, mesh), precision=cfg.precision)
-    # HSDP's FSDP reduces over the replicas too; plain replicas of a pipeline average here
-    return Stages(pipe, mesh["dp_replicate"].get_group(), dims.dp_replicate if dims.dp_shard == 1 else 1)
+        tp_plan=plan, shard_mesh=_shard_mesh(dims, mesh), precision=cfg.precision, share=share,
+        own_blocks=dims.cp > 1 or dims.ep > 1, unsharded=experts)
+    pipe.experts = model.__dict__.get("_paratrain_experts")
+    # HSDP's FSDP reduces over the replicas too; plain replicas of a pipeline (and its cp ranks) average here
+    if dims.dp_shard > 1:
+        return Stages(pipe, mesh["dp_replicate"].get_group(), 1)
+    group = mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp") if dims.cp > 1 else mesh["dp_replicate"]
+    return Stages(pipe, group.get_group(), dims.dp_replicate * dims.cp, skip=experts)
 
 
 def _experts(model: nn.Module, dims: ParallelDims, ctx: Context) -> Any:

@@ -237,10 +237,8 @@ def active(dims: ParallelDims) -> list[Axis]:
 
 def refused(dims: ParallelDims) -> str | None:
     """Combinations the N-D strategy does not build (`strategies/nd.py` `check`; a test holds the two together)."""
-    if dims.ep > 1 and (dims.pp > 1 or dims.cp > 1):
-        return "expert parallelism runs beside data and tensor parallelism, not with cp or pp"
-    if dims.cp > 1 and dims.pp > 1:
-        return "context parallelism runs beside tensor parallelism and the data-parallel axes, not with pp"
+    if dims.ep > 1 and dims.cp > 1:
+        return "expert parallelism beside context parallelism is not built"
     return None
 
 

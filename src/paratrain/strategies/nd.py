@@ -49,15 +49,10 @@ class NDStrategy:
 
     def check(self, ctx: Context) -> None:
         dims = ctx.dims
-        if dims.ep > 1 and (dims.pp > 1 or dims.cp > 1):
+        if dims.ep > 1 and dims.cp > 1:
             raise ParatrainError(
-                f"strategy {self.name!r}: expert parallelism runs beside data and tensor parallelism (ep, ddp+ep, "
-                "fsdp+ep, ddp+fsdp+ep, ddp+tp+ep, fsdp+tp+ep); with cp or pp it is not built: drop 'ep', or drop "
-                "'cp'/'pp'")
-        if dims.cp > 1 and dims.pp > 1:
-            raise ParatrainError(
-                f"strategy {self.name!r}: context parallelism runs beside tensor parallelism and the data-parallel "
-                "axes (cp, tp+cp, ddp+cp, fsdp+cp, ddp+fsdp+cp); with pp it is not built: drop 'cp', or drop 'pp'")
+                f"strategy {self.name!r}: expert parallelism beside context parallelism is not built (the experts "
+                "would see each rank's share of the tokens); drop 'ep' or 'cp'")
         if dims.pp > 1:
             check_pipeline(ctx.config, dims.pp, f"strategy {self.name!r}")
 
@@ -77,7 +72,7 @@ class NDStrategy:
         return ctx.dims.data_shard(ctx.placement.rank)
 
     def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
-        experts = self.unwrap(model).__dict__.get("_paratrain_experts")
+        experts = _experts_of(model)
         if experts is not None:
             experts.sync = sync
         if isinstance(model, Stages):
@@ -95,12 +90,18 @@ class NDStrategy:
 
         if not isinstance(model, Stages):
             raise ParatrainError(f"strategy {self.name!r}: pass the model returned by run.prepare to forward_backward")
+        experts = _experts_of(model)
+        sync = model.sync
+        if experts is not None:  # reduced once per schedule, after its last micro-batch, not after each backward
+            experts.sync = False
         local = model(inputs, targets, loss_fn, ctx.config.grad_accum)
-        if model.sync:  # averaged first: the tied sums then write into the averaged buffers in place
+        if sync:  # averaged first: the tied sums then write into the averaged buffers in place
             model.average()
             model.pipe.reduce_tied_gradients()
+            if experts is not None:
+                experts.reduce()
         dims = ctx.dims
-        return global_loss(local, dims.dp * dims.tp, ctx.device)  # every tensor rank of a last stage holds it
+        return global_loss(local, dims.dp * dims.tp * dims.cp, ctx.device)  # every tp and cp rank of a last stage
 
     def evaluate(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn | None, ctx: Context) -> Any:
         if "pp" in self.axes:
@@ -116,3 +117,11 @@ class NDStrategy:
         if isinstance(model, Stages):
             return model.pipe.holds()
         return model.module if isinstance(model, Replicas) else model
+
+
+def _experts_of(model: nn.Module) -> Any:
+    """The expert gradients' reducer of a prepared model (`parallel.expert.apply.ExpertGrads`), or None."""
+    if isinstance(model, Stages):
+        return model.pipe.experts
+    inner = model.module if isinstance(model, Replicas) else model
+    return inner.__dict__.get("_paratrain_experts")

@@ -52,9 +52,11 @@ class Replicas(nn.Module):
 class Stages(nn.Module):
     """One pipeline rank's (tensor-parallel) stages, and the replicas that hold the same stages."""
 
-    def __init__(self, pipe: PipelineModule, group: Any, size: int) -> None:
+    def __init__(self, pipe: PipelineModule, group: Any, size: int, skip: set[nn.Parameter] | None = None) -> None:
         super().__init__()
         self.pipe, self.group, self.size = pipe, group, size
+        self.skip = {id(p) for p in skip or ()}
+        """Parameters another axis reduces itself (experts)."""
         self.flat_grads: dict[torch.dtype, torch.Tensor] = {}  # see average_gradients
         self.sync = True
 
@@ -67,4 +69,5 @@ class Stages(nn.Module):
 
     def average(self) -> None:
         if self.size > 1:
-            average_gradients(self.pipe.parameters(), self.group, self.size, self.flat_grads)
+            average_gradients([p for p in self.pipe.parameters() if id(p) not in self.skip], self.group, self.size,
+                              self.flat_grads)

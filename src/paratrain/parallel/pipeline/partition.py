@@ -146,7 +146,8 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def _register(owner: nn.Module, name: str, module: nn.Module) -> None:
-    if isinstance(module, GraphSegment):  # a traced segment: the user's modules it holds, under their paths
+    if isinstance(module, GraphSegment) or getattr(module, "holds_paths", False):  # the user's modules it holds,
+        # under their paths (a traced segment, or a block of a decoder's own chain: `blocks`)
         for child_name, child in module.named_children():
             if child_name not in owner._modules:
                 owner.add_module(child_name, child)
@@ -187,11 +188,17 @@ def merged(stages: Sequence[Stage]) -> nn.Module:
 
 
 def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = False,
-              tp_plan: dict[str, str] | None = None) -> list[Layer]:
+              tp_plan: dict[str, str] | None = None, own_blocks: bool = False, share: Any = None) -> list[Layer]:
     """The model as a chain of named layers: a Sequential's children, or the segments of a traced model
     (cut before each layer; `example` is one input batch to trace with). `defer_batchnorm` makes BatchNorm
     layers update running statistics once per step (see `batchnorm`). `tp_plan` names the layers already
-    sharded by tensor parallelism, which a traced segment calls as themselves (`tensor.traced`)."""
+    sharded by tensor parallelism, which a traced segment calls as themselves (`tensor.traced`). `own_blocks`
+    (expert or context parallelism inside the stages, `share` the latter's) makes the chain of a decoder's own
+    blocks instead of a trace (`blocks`)."""
+    if own_blocks:
+        from .blocks import decoder_layers
+
+        return decoder_layers(model, share)
     if isinstance(model, nn.Sequential):
         if defer_batchnorm:
             defer_modules(model)

@@ -93,9 +93,14 @@ class PipelineModule(nn.Module):
                  device: torch.device, microbatches: int | str | None, balance: Sequence[int] | Sequence[str] | str,
                  example: Any, group: Any = None, strategy: str = "pp", batchnorm: str = "exact",
                  checkpointing: str = "none", compiling: bool = False, tp_plan: dict[str, str] | None = None,
-                 shard_mesh: Any = None, precision: str = "32") -> None:
+                 shard_mesh: Any = None, precision: str = "32", share: Any = None,
+                 own_blocks: bool = False, unsharded: set[nn.Parameter] | None = None) -> None:
         super().__init__()
         self._tp_plan = tp_plan
+        self._share, self._own_blocks, self._unsharded = share, own_blocks, unsharded or set()
+        self.experts: Any = None
+        """Expert parallelism's gradient reducer inside the stages (`parallel.expert.apply.ExpertGrads`): the
+        strategy reduces once per schedule."""
         self._shard_mesh, self._precision = shard_mesh, precision
         schedules.check(schedule, pp, per_worker, microbatches, checkpointing, compiling)
         self._checkpointing, self._compiling = checkpointing, compiling
@@ -137,14 +142,15 @@ class PipelineModule(nn.Module):
                 count = self._default_count(batch_size(example))
             sample = split(example, min(count, batch_size(example)))[0]
         with agreed(Agreement(f"strategy {self.plan.strategy!r}")) as agreement:  # one rank's refusal is every rank's
-            layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm, tp_plan=self._tp_plan)
+            layers = layers_of(model, sample, defer_batchnorm=self._defer_batchnorm, tp_plan=self._tp_plan,
+                               own_blocks=self._own_blocks, share=self._share)
             balance, costs = choose_balance(requested, layers, self.num_stages, sample=sample, agree=agreement.mean)
         stages = split_into_stages(layers, balance)
         owner = schedules.stage_owners(self.schedule_name, self.pp, self.per_worker)
         self.tied = TiedGradients(model, stages, owner.__getitem__, self.pp_rank, self.group)
         local = [place(stages[i], self.device) for i in self.ids]
         if self._shard_mesh is not None:
-            shard_stages(local, self._shard_mesh, self._precision, self.tied)
+            shard_stages(local, self._shard_mesh, self._precision, self.tied, self._unsharded)
         for stage in local:
             if stage.index == self.num_stages - 1:
                 stage.outputs_spec = True  # torch sends and merges tensors only; the structure is put back

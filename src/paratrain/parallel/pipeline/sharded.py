@@ -37,12 +37,15 @@ def _check_ties(stages: Sequence[Stage]) -> None:
                     "units; use a schedule with one stage per worker (stages_per_worker=1), or untie the weights")
 
 
-def shard_stages(stages: Sequence[Stage], mesh: Any, precision: str, tied: TiedGradients) -> None:
-    """Shard each of this rank's stages in place over `mesh` and point the tied-gradient sums at the shards."""
+def shard_stages(stages: Sequence[Stage], mesh: Any, precision: str, tied: TiedGradients,
+                 unsharded: set[Any] | None = None) -> None:
+    """Shard each of this rank's stages in place over `mesh` and point the tied-gradient sums at the shards;
+    `unsharded` parameters (experts, which expert parallelism reduces itself) are left out."""
     _check_ties(stages)
     before = {id(p): (stage, name) for stage in stages for name, p in stage.named_parameters()}
     for stage in stages:
-        apply_fsdp(stage, mesh, units=[], precision=precision)
+        held = {p for p in stage.parameters() if p in (unsharded or set())}
+        apply_fsdp(stage, mesh, units=[], precision=precision, ignored=held or None)
         for module in stage._chain:
             if isinstance(module, GraphSegment):
                 module.read_through = True
