@@ -185,14 +185,20 @@ def test_the_search_proposes_ep_for_experts_and_cp_for_attention_it_can_share(pr
     for prof in profiles.values():
         for layout in _proposed(prof):
             dims = layout.dims
-            assert not (dims.ep > 1 and (dims.cp > 1 or dims.pp > 1)), layout.label
-            assert not (dims.cp > 1 and (dims.pp > 1 or dims.dp_replicate > 1 and dims.dp_shard > 1)), layout.label
+            assert not (dims.ep > 1 and dims.cp > 1), layout.label
+            assert not ((dims.ep > 1 or dims.cp > 1) and dims.pp > 1), layout.label  # traced stages: not own blocks
             kwargs = layout.setup_kwargs(_cluster())
             make_config(kwargs)
             if layout.grammar:  # the degrees setup would build from these arguments
                 assert dims_for(layout.strategy, layout.devices, tp_size=kwargs.get("tp_size"),
                                 pp_size=kwargs.get("pp_size"), ep_size=kwargs.get("ep_size"),
                                 cp_size=kwargs.get("cp_size")) == dims, layout.label
+    for name, axis in (("moe", "ep"), ("long", "cp")):  # stages of its own blocks (a transformers decoder)
+        inside = {x.label for x in _proposed(replace(profiles[name], own_blocks=True), devices=8)
+                  if x.pp > 1 and getattr(x, axis) > 1}
+        assert inside, name
+        assert f"{axis}+pp" in {label.split(" ")[0] for label in inside} or f"fsdp+{axis}+pp" in {
+            label.split(" ")[0] for label in inside}, inside
     ep = next(x for x in _proposed(profiles["moe"]) if x.strategy == "fsdp+ep" and x.ep == 2)
     assert ep.label == "fsdp+ep 4 (ep=2)" and ep.setup_kwargs(_cluster())["ep_size"] == 2
     assert Layout(strategy="tp+cp", tp=2, cp=2).label == "tp+cp 2x2"

@@ -142,6 +142,9 @@ class Profile:
     """The model's forward takes `position_ids`, which context parallelism needs (`parallel.context`)."""
     context_refused: str | None = None
     """Why context parallelism would refuse the model's attention (a call with its own mask or dropout)."""
+    own_blocks: bool = False
+    """Its pipeline stages can be its own blocks (a transformers decoder: `parallel.pipeline.blocks`), which expert
+    and context parallelism need inside a pipeline; other models are traced to be split."""
     masked_attention: float = 1.0
     """Seconds of attention from half the queries to every key under an explicit causal mask (what a context-parallel
     rank runs) over half of causal attention's seconds (what the profiled layers ran): the kernel skips the masked

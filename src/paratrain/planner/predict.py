@@ -239,7 +239,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     b = batch // (dp * micro)
     lt, _ = axes.layer_times(axes.Step(profile, cluster, layout.dims, layout.precision, b))
     balance = solve([t.forward + t.backward for t in lt], layout.stages)
-    dp_group, pp_group = pipeline_groups(cluster, dp, pp, tp)
+    dp_group, pp_group = pipeline_groups(cluster, dp, pp, tp * layout.cp)
     stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes),
                           layout.dims)
     where = simulate.stage_ranks(schedule, pp, per_worker)
@@ -251,10 +251,10 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
     starts = [sum(balance[:s]) for s in range(len(balance))]
     rank_params = [0.0] * pp
     rank_bytes = [0.0] * pp
-    for s, count in enumerate(balance):
-        params, held = costs.tensor_params(profile.layers[starts[s] : starts[s] + count], tp)
-        rank_params[where[s]] += params
-        rank_bytes[where[s]] += held
+    for s, count in enumerate(balance):  # what a rank holds of its stages: its tensor shards, its experts
+        params, held, own, own_bytes = axes.held(profile.layers[starts[s] : starts[s] + count], layout.dims)
+        rank_params[where[s]] += params + own
+        rank_bytes[where[s]] += held + own_bytes
     shards = dp if layout.sharded else 1
     if layout.sharded and dp > 1:  # each stage one FSDP unit: gathered before its first forward, its unsharded
         # gradients reduce-scattered after its last backward, and FSDP's own cost per unit (as in _data_parallel)

@@ -38,6 +38,7 @@ from .._tree import map_tensors, nbytes
 from ..errors import ParatrainError
 from ..measure.timing import best_seconds
 from ..parallel.pipeline.balance import LayerTimes, time_layers
+from ..parallel.pipeline.blocks import decoder_parts
 from ..parallel.pipeline.memory import ActivationMeter, param_bytes
 from ..parallel.pipeline.partition import layers_of
 from ..precision import apply_autocast
@@ -301,6 +302,7 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         precision=precision, optimizer=optimizer, step_overhead_s=max(0.0, whole - parts), tp_width=split.width,
         tp_note=split.note, built="meta" if meta else "whole", top_k=facts.top_k, sequence=facts.sequence,
         position_ids=facts.position_ids, context_refused=facts.context_refused, masked_attention=masked,
+        own_blocks=decoder_parts(model) is not None,
         axes_note="; ".join(facts.notes) or None,
         loss_s=(seconds_at[largest][-1][0] / largest, seconds_at[largest][-1][1] / largest),
     )

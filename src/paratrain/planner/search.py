@@ -7,10 +7,11 @@ where its attention can be shared out (the forward takes `position_ids`, the seq
 and C together; an expert degree E where it has experts (E divides N and every layer's experts). Each shape with the
 data-parallel ranks left as replicas (`ddp`; experts carved from them: `ep`) or shards (`fsdp`), or the name of the
 model axes alone when none are left, with the fewest gradient-accumulation steps that fit in memory. Then pipelines
-of P ranks (pp when P = N / T, otherwise N / (P T) replicas that copy the stages, ddp+pp, or shard each stage,
-fsdp+pp) for each divisor P up to the number of layers, each schedule, stages per worker up to what the layers
+of P ranks beside each shape of the model axes (pp when P = N / (T C), otherwise replicas that copy the stages,
+ddp+pp, or shard each stage, fsdp+pp) for each divisor P up to the number of layers, each schedule, stages per worker up to what the layers
 allow; and `mp` inside one node. What the runtime refuses is not proposed: degrees `dims_for` refuses, and the
-combinations the N-D strategy does not build (`axes.refused`: ep with cp or pp, cp with pp or HSDP).
+combinations the N-D strategy does not build (`axes.refused`: ep with cp) or this model cannot (cp or ep inside
+pipeline stages of a model without its own blocks: `axes.problem`).
 
 Three prunings keep 1,024 devices to seconds:
 
@@ -177,25 +178,30 @@ def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> 
             yield m
 
 
-def _pipeline_strategies(n: int, tp: int) -> Iterator[tuple[int, str]]:
-    """(pipeline ranks, strategy) for n devices per tensor group: one pipeline, or replicas of it that copy
-    (ddp) or shard (fsdp) its stages."""
-    model = ("tp", "pp") if tp > 1 else ("pp",)
+def _pipeline_strategies(n: int, model: Sequence[str]) -> Iterator[tuple[int, str]]:
+    """(pipeline ranks, strategy) for n devices per group of the other model axes: one pipeline, or replicas of it
+    that copy (ddp) or shard (fsdp) its stages."""
+    axes_named = (*model, "pp")
     for pp in _divisors(n):
         for data in [None] if pp == n else DATA_WORDS:
-            yield pp, name_of(model, data)
+            yield pp, name_of(axes_named, data)
 
 
 def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-               want: Wanted, schedules: Sequence[str], tp: int = 1) -> list[Prediction]:
+               want: Wanted, schedules: Sequence[str], shape: dict[str, int] | None = None) -> list[Prediction]:
+    """Pipelines beside the model axes of `shape` (tp, cp, ep): expert and context parallelism live inside the
+    stages only where the stages are the model's own blocks (`axes.problem` says which)."""
     out: list[Prediction] = []
+    shape = shape or {}
     layers = len(profile.layers)
-    for pp, strategy in _pipeline_strategies(n // tp, tp):
-        dp = n // tp // pp
+    tp, cp = shape.get("tp", 1), shape.get("cp", 1)
+    model = [axis for axis in ("tp", "cp", "ep") if axis in shape]
+    for pp, strategy in _pipeline_strategies(n // (tp * cp), model):
+        dp = n // (tp * cp) // pp
         if pp < 2 or pp > layers or not want(strategy) or batch % dp:
             continue
-        probe = _layout(strategy, dp=dp, pp=pp, tp=tp, schedule="1f1b", microbatches=pp, precision=precision)
-        if probe is None:
+        probe = _layout(strategy, dp=dp, pp=pp, schedule="1f1b", microbatches=pp, precision=precision, **shape)
+        if probe is None or axes.problem(profile, probe.dims):
             continue
         too_big = _state_too_big(profile, cluster, probe, optimizer)
         if too_big:
@@ -249,8 +255,8 @@ def layouts(profile: Profile, cluster: Cluster, batch: int, *, precision: str = 
         found += _data_parallel(profile, cluster, batch, optimizer, Layout(strategy="single", precision=precision))
     if n > 1:
         found += _without_pipeline(profile, cluster, n, batch, precision, optimizer, want)
-        for tp in [1, *tensor_degrees(profile, cluster, n)]:
-            found += _pipelines(profile, cluster, n, batch, precision, optimizer, want, schedules, tp)
+        for shape in model_shapes(profile, cluster, n):
+            found += _pipelines(profile, cluster, n, batch, precision, optimizer, want, schedules, shape)
     if want("mp") and cluster.kind == "cuda":
         found += _model_parallel(profile, cluster, n, batch, precision, optimizer)
     fitting = sorted((p for p in found if p.fits), key=lambda p: p.step_s)
