@@ -6,12 +6,12 @@ model has a tensor-parallel plan (T divides N and the plan's split dimensions, f
 where its attention can be shared out (the forward takes `position_ids`, the sequence divides into 2C chunks); T
 and C together; an expert degree E where it has experts (E divides N and every layer's experts). Each shape with the
 data-parallel ranks left as replicas (`ddp`; experts carved from them: `ep`) or shards (`fsdp`), or the name of the
-model axes alone when none are left, with the fewest gradient-accumulation steps that fit in memory. Then pipelines
-of P ranks beside each shape of the model axes (pp when P = N / (T C), otherwise replicas that copy the stages,
-ddp+pp, or shard each stage, fsdp+pp) for each divisor P up to the number of layers, each schedule, stages per
-worker up to what the layers allow; and `mp` inside one node. What the runtime refuses is not proposed: degrees `dims_for` refuses, and the
-combinations the N-D strategy does not build (`axes.refused`: ep with cp) or this model cannot (cp or ep inside
-pipeline stages of a model without its own blocks: `axes.problem`).
+model axes alone when none are left, with the fewest gradient-accumulation steps that fit in memory. Then
+pipelines of P ranks beside each shape of the model axes (pp when P = N / (T C), otherwise replicas that copy the
+stages, ddp+pp, or shard each stage, fsdp+pp) for each divisor P up to the number of layers, each schedule, stages
+per worker up to what the layers allow; and `mp` inside one node. What the runtime refuses is not proposed: degrees
+`dims_for` refuses, the combinations the N-D strategy does not build (`axes.refused`: ep with cp), and what this
+model cannot do (cp or ep inside pipeline stages of a model without its own blocks: `axes.problem`).
 
 Three prunings keep 1,024 devices to seconds:
 
