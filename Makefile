@@ -17,7 +17,7 @@ setup: $(STAMP)
 comma := ,
 empty :=
 space := $(empty) $(empty)
-EXTRA_NAMES := dev bench vision notebook hf cluster plan tensorboard data
+EXTRA_NAMES := dev bench vision notebook hf cluster plan tensorboard data ft
 EXTRAS := .[$(subst $(space),$(comma),$(EXTRA_NAMES))]
 # Every third-party package `make setup` installs, at one version each (`make lock` writes it from pyproject.toml's
 # ranges); pyproject.toml keeps the ranges users get. `make test` first checks the environment equals it.

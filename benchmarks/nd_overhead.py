@@ -16,6 +16,7 @@ experts, top-2, on gpt-moe's batches) beside the same `torch-ep`.
 
     python benchmarks/nd_overhead.py benchmarks/results/nd-overhead.json            # the gpt workload, mini
     python benchmarks/nd_overhead.py OUT --layouts ep:2,cp:2,ep:2:mixtral             # STRATEGY:WORKERS[:WORKLOAD]
+    python benchmarks/nd_overhead.py OUT --layouts cp:2:loss=token_mean               # ... and setup options
     python benchmarks/nd_overhead.py OUT --steps 10 --size tiny                        # a smoke run
 """
 
@@ -71,7 +72,8 @@ def _workload(name: str, size: str) -> Any:
     return replace(batches, name="mixtral", model=lambda: _Logits(tf.MixtralForCausalLM(config)))
 
 
-def _pair(strategy: str, workers: int, workload: str, size: str, steps: int, microbatches: int) -> dict[str, Any]:
+def _pair(strategy: str, workers: int, workload: str, size: str, steps: int, microbatches: int,
+          options: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
     """In each worker: both sides built, warmed up, then `steps` alternated steps each (the slowest rank's times)."""
     import torch.distributed as dist
 
@@ -84,7 +86,7 @@ def _pair(strategy: str, workers: int, workload: str, size: str, steps: int, mic
     pipelined = "pp" in strategy.split("+")
     ref = jobs.REFERENCE[strategy]
     m, schedule = (microbatches, "1f1b") if pipelined else (None, None)
-    ours = worker.paratrain_side(jobs.Spec(strategy, workers, m, schedule), w, w.data(8), settings)
+    ours = worker.paratrain_side(jobs.Spec(strategy, workers, m, schedule, options=options), w, w.data(8), settings)
     theirs = references.BUILDERS[ref](jobs.Spec(ref, workers, m, schedule), w, w.data(8), settings,
                                       torch.device("cpu"))
     for _ in range(3):
@@ -114,21 +116,25 @@ def main() -> None:
     sizes = {"gpt": args.size, "gpt-moe": args.moe_size, "gpt-long": args.long_size, "mixtral": args.moe_size}
     rows = []
     for item in args.layouts.split(","):
-        strategy, workers, *named = item.split(":")
+        strategy, workers, *rest = item.split(":")
+        options = tuple(tuple(x.split("=", 1)) for x in rest if "=" in x)  # setup options: loss=token_mean
+        named = [x for x in rest if "=" not in x]
         workload = named[0] if named else WORKLOAD.get(strategy, "gpt")
         got = paratrain.launch(_pair, strategy, int(workers), workload, sizes[workload], args.steps,
-                               args.microbatches, nproc=int(workers), timeout=900, accelerator="cpu")
+                               args.microbatches, options, nproc=int(workers), timeout=900, accelerator="cpu")
         ours, theirs = got["times"]["paratrain"], got["times"]["hand-written"]
         of_medians = stats.ratio_of_medians(ours, theirs, paired=True)  # the steps resampled in their pairs
         paired = stats.paired_ratio(ours, theirs)
-        row = {"strategy": strategy, "workers": int(workers), "workload": f"{workload} {sizes[workload]}",
+        row = {"strategy": strategy, "options": dict(options), "workers": int(workers),
+               "workload": f"{workload} {sizes[workload]}",
                "reference": got["reference"],
                "paratrain_median_s": statistics.median(ours), "reference_median_s": statistics.median(theirs),
                "ratio_of_medians": of_medians.value, "median_paired_ratio": paired.value,
                "ratio_ci95": of_medians.interval, "paired_ci95": paired.interval, "verdict": stats.verdict(paired),
                "steps": len(ours), "paratrain_s": ours, "reference_s": theirs}
         rows.append(row)
-        print(f"{strategy:>8} x{workers}: paratrain {row['paratrain_median_s']:.4f} s, {row['reference']} "
+        print(f"{strategy:>8} x{workers} {dict(options) or ''}: paratrain {row['paratrain_median_s']:.4f} s, "
+              f"{row['reference']} "
               f"{row['reference_median_s']:.4f} s, ratio of medians {of_medians.text()}; paired: {row['verdict']}",
               file=sys.stderr, flush=True)
     timed = ", ".join(dict.fromkeys(row["workload"] for row in rows))

@@ -9,8 +9,9 @@ It also runs with a different number of workers than the run that saved (same gl
 
 Testing aids: `--ledger DIR` makes every rank append what each step trained on to DIR/rank-R.jsonl,
 and `--fault KIND:RANK@STEP,...` (RANK * for any) injects failures, each at most once per ledger directory:
-kill (SIGKILL after the step), kill-node (SIGKILL the launcher, then this worker), kill-in-save
-(SIGKILL while writing the checkpoint of that step),
+kill (SIGKILL after the step, once the checkpoints saved before it are written: they are written in the
+background), kill-node (SIGKILL the launcher, then this worker, as kill), kill-in-save
+(SIGKILL while saving the checkpoint of that step),
 hang (sleep forever before the next collective), term (SIGTERM to this worker) and term-launcher
 (SIGTERM to the launcher, as a scheduler's preemption does).
 """
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +65,11 @@ class _KillWhenPickled:
 class Faults:
     """Failures injected at chosen (rank, step) points, each fired once: a marker file remembers it."""
 
-    def __init__(self, spec: str, folder: str | None, rank: int, ledger: Ledger) -> None:
+    def __init__(self, spec: str, folder: str | None, rank: int, ledger: Ledger,
+                 settle: Callable[[], object] = lambda: None) -> None:
+        self.settle = settle
+        """Waits for the checkpoint being written in the background: a kill then leaves it complete, so where
+        the run resumes follows from the kill's step alone."""
         self.events = []
         for item in filter(None, spec.split(",")):
             kind, _, where = item.partition(":")
@@ -86,8 +92,10 @@ class Faults:
     def after_step(self, step: int) -> None:
         self.step = step
         if self._due("kill"):
+            self.settle()
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("kill-node"):
+            self.settle()
             os.kill(_launcher_pid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if self._due("term"):
@@ -103,7 +111,7 @@ class Faults:
         if not self._due("kill-in-save"):
             return {}
         if self.rank == 0:
-            return {"bomb": _KillWhenPickled()}  # dies while shared.pt is half written
+            return {"bomb": _KillWhenPickled()}  # dies in run.save: copied (async_save) or pickled into shared.pt
         os.kill(os.getpid(), signal.SIGKILL)
         return {}
 
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                           keep_last=args.keep_last, **pipeline)
     generation = int(run.all_reduce(torch.tensor(time.time_ns()), op="max"))
     ledger = Ledger(args.ledger, run.rank, generation)
-    faults = Faults(args.fault, args.ledger, run.rank, ledger)
+    faults = Faults(args.fault, args.ledger, run.rank, ledger, settle=run.wait_for_save)
 
     data, model = build(args.samples, args.dropout, args.hidden)
     loader = run.prepare_loader(DataLoader(data, batch_size=run.per_worker_batch(args.global_batch), shuffle=True))

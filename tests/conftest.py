@@ -89,7 +89,7 @@ EXTENDED = {
     "test_moe.py::test_a_checkpoint_resumes_with_the_experts_laid_out_anew[user-fsdp+ep-to-ep]",  # mixtral's
     "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[fsdp+cp-4]",  # cp-2, tp+cp-4
     "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[cp-4]",
-    "test_context_parallel.py::test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout",
+    "test_context_parallel.py::test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout[fsdp+cp]",
     "test_bench.py::test_a_failing_model_is_reported_failed_with_its_error",
     "test_launch_api.py::test_launch_from_a_script[warm]",  # test_launch_api's other warm launches
     "test_lora_export.py::test_lora_export_loads_in_peft_and_matches_plain_pytorch[pp]",  # single, fsdp
@@ -103,6 +103,8 @@ EXTENDED = {
     "test_orphans.py::test_launch_killed_leaves_no_worker[spawned-alone]",
     "test_orphans.py::test_launch_killed_leaves_no_worker[warm-group]",
     "test_orphans.py::test_an_elastic_restart_is_not_the_agent_dying",  # test_resume's restarts, tied the same way
+    # 2 groups of 2 workers (6 processes on 2 cores, 21 s): the [1] case runs the same kill, recovery and redo
+    "test_replica_groups.py::test_killed_group_restarts_and_rejoins_from_the_live_one[2]",
     # whole modules
     "test_resume_layouts.py",  # every layout's checkpoint under every other: test_checkpoint, test_fsdp, test_moe,
     # test_tensor_parallel and test_context_parallel each resume across layouts and world sizes in make test

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 VOCAB, SEQ, ROWS, GLOBAL_BATCH, WIDTH, EXPERTS = 64, 8, 24, 8, 32, 4
-LONG, LONG_SEQ = ("rope", "llama", "llama-nocache"), 64
+LONG, LONG_SEQ = ("rope", "rope-ignored", "llama", "llama-nocache"), 64
 AUX = 0.01
 CLIP, CLIPPED = 0.5, ("user-clip", "mixtral-clip")
 """Models trained with their gradient clipped by the whole model's norm (`run.clip_grad_norm_`)."""
@@ -188,7 +188,7 @@ class RopeDecoder(nn.Module):
 
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    if name == "rope":
+    if name in ("rope", "rope-ignored"):  # -ignored: targets of -100 the loss leaves out, unevenly over the shares
         return RopeDecoder()
     if name in ("llama", "llama-nocache"):
         import transformers as tf
@@ -221,7 +221,10 @@ def build(name: str) -> nn.Module:
 def data(name: str = "user") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (ROWS, (LONG_SEQ if name in LONG else SEQ) + 1), generator=g)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    targets = ids[:, 1:].contiguous()
+    if name == "rope-ignored":
+        targets[::2, :20] = -100  # every other row's first 20 targets: most of them in rank 0's head chunk
+    return ids[:, :-1].contiguous(), targets
 
 
 def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ same start as the plain loop, its losses and exported weights written for the te
 
 With MOE_SAVE=DIR a run stops after its first step and saves model, optimizer and loader there (one model); with
 MOE_RESUME=DIR it loads them first and trains the rest of the epoch; MOE_CHECKPOINTING=full|selective recomputes
-each block's activations in the backward (applied after the layout's tensor, context and expert steps).
+each block's activations in the backward (applied after the layout's tensor, context and expert steps);
+MOE_LOSS=token_mean says the loss is a token mean (`setup(loss=...)`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def main() -> None:
     layout, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     strategy, _, ep_size = layout.partition(":")
     run = paratrain.setup(strategy=strategy, seed=0, timeout_s=120, ep_size=int(ep_size) if ep_size else None,
-                          activation_checkpointing=os.environ.get("MOE_CHECKPOINTING", "none"))
+                          activation_checkpointing=os.environ.get("MOE_CHECKPOINTING", "none"),
+                          loss=os.environ.get("MOE_LOSS", "any"))
     losses: dict[str, list[float]] = {}
     held: dict[str, dict[str, list[int]]] = {}
     tokens: dict[str, int] = {}  # the sequence length each model's embedding saw last: the rank's share

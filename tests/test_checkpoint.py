@@ -211,6 +211,7 @@ def test_load_errors_name_the_problem_and_resume_falls_back(tmp_path: Path) -> N
     run.save(state)
     _steps(run, state, 1)
     run.save(state)
+    run.wait_for_save()  # written in the background: published before it is damaged below
     newest = tmp_path / "step-000000002"
     (newest / "shared.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="truncated"):
@@ -294,6 +295,7 @@ def _fsdp_save(ckpt: str) -> dict[str, Any]:
         run.backward(model(torch.randn(4, 6, generator=g)).pow(2).mean())
         optimizer.step()
     run.save({"model": model, "optimizer": optimizer, "step": 2})
+    run.wait_for_save()  # written in the background: on disk before its files are listed below
     from torch.distributed.tensor import DTensor
 
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}

@@ -26,7 +26,10 @@ from paratrain.parallel.dims import dims_for
 
 RUNS = (("cp", 2, ("rope", "llama", "llama-nocache")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
         ("tp+cp", 4, ("llama", "llama-nocache")), ("ddp+fsdp+cp", 8, ("rope", "llama")),
+        ("cp-token_mean", 2, ("rope", "rope-ignored", "llama")), ("fsdp+cp-token_mean", 4, ("rope-ignored",)),
         ("cp+pp", 4, ("llama", "llama-nocache")), ("fsdp+cp+pp", 8, ("llama",)), ("tp+cp+pp", 8, ("llama-nocache",)))
+"""A layout `NAME-token_mean` is told the loss is a token mean (`setup(loss="token_mean")`): each rank takes its own
+tokens' loss, no logits gathered ("rope-ignored" leaves targets of -100 out, unevenly over the shares)."""
 CHECKPOINTED = {"fsdp+cp": "full"}
 """Runs with activation checkpointing after the context step: the recomputation in the backward attends over the
 gathered keys and values again, as the forward did."""
@@ -39,8 +42,9 @@ def test_context_parallel_layouts_match_plain_pytorch(layout: str, world: int, n
                                                       tmp_path: Path) -> None:
     import meta_cases
 
+    layout, _, loss = layout.partition("-")
     res = paratrain("run", "--nproc", str(world), "tests/moe_worker.py", layout, str(tmp_path), *names, timeout=240,
-                    env=cli_env(MOE_CHECKPOINTING=CHECKPOINTED.get(layout, "none")))
+                    env=cli_env(MOE_CHECKPOINTING=CHECKPOINTED.get(layout, "none"), MOE_LOSS=loss or "any"))
     assert res.returncode == 0, res.stdout[-4000:]
     losses = json.loads((tmp_path / "losses.json").read_text())
     cp = dims_for(layout, world).cp

@@ -170,3 +170,61 @@ def test_every_module_is_named_in_the_architecture_doc() -> None:
     missing = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if p.name != "__init__.py"
                      and not any(re.search(rf"(?<!\w){re.escape(p.stem)}(?!\w)", span) for span in spans))
     assert not missing, f"modules docs/architecture.md does not name in backticks: {missing}"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of src/paratrain and the modules it imports when it is imported (module level, outside
+    `if TYPE_CHECKING`): the imports that can form a circle. Imports inside functions run later and cannot."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in _run_on_import(ast.parse(path.read_text()).body):
+                if isinstance(node, ast.Import):
+                    edges[name] |= {a.name for a in node.names if a.name in modules}
+                    continue
+                base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module or ""
+                for alias in node.names:
+                    target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    if target in modules and target != name:
+                        edges[name].add(target)
+    return edges
+
+
+def _run_on_import(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements a module runs when it is imported: at its top level, in its `if`/`try`/`with` blocks
+    (not under `if TYPE_CHECKING`), not in its functions."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for stmt in body:
+        if isinstance(stmt, ast.Import | ast.ImportFrom):
+            found.append(stmt)
+        elif isinstance(stmt, ast.If) and "TYPE_CHECKING" not in ast.unparse(stmt.test):
+            found += _run_on_import(stmt.body) + _run_on_import(stmt.orelse)
+        elif isinstance(stmt, ast.Try):
+            found += _run_on_import(stmt.body + stmt.orelse + stmt.finalbody
+                                    + [s for h in stmt.handlers for s in h.body])
+        elif isinstance(stmt, ast.With):
+            found += _run_on_import(stmt.body)
+    return found
+
+
+def test_no_import_circle_in_the_library() -> None:
+    edges = _module_imports()
+    assert len(edges) > 100 and edges["paratrain.parallel.parallelize"]  # the walk found the modules and imports
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(edges[name]):
+            assert state.get(other) != 1, "import circle: " + " -> ".join([*path, name, other])
+            if other not in state:
+                visit(other, [*path, name])
+        state[name] = 2
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [])

@@ -26,6 +26,7 @@ from .data import ShardedLoader, claim_weight
 from .data.plan import ONE, Weight
 from .errors import ParatrainError
 from .faults import StopRequest, Watch
+from .faults.replica_groups import ReplicaGroups, check_strategy
 from .memstats import give_back_freed
 from .observe import Breakdown, MetricLog, StragglerWatch
 from .parallel.expert.router_stats import Rows
@@ -89,6 +90,10 @@ class Run:
         self._refusals = refusals
         """Each prepare and the first micro-step end in an agreement: one rank's refusal is every rank's."""
         self._first_step_agreed = False
+        self.replica_groups: ReplicaGroups | None = None
+        """Under `paratrain run --replica-groups`: this group's link to the others (faults/replica_groups.py)."""
+        self._writer = checkpoint.Writer(config.timeout_s or runtime.default_timeout_s())
+        """The checkpoint being written in the background (`setup(async_save=True)`), one at a time."""
 
     # -- where am I -----------------------------------------------------------------------------
     @property
@@ -188,7 +193,12 @@ class Run:
             return wrapped
         rebind(optimizer, before, dict(self.strategy.unwrap(wrapped).named_parameters()))
         self._optimizers.append(optimizer)
-        return wrapped, PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase, self._refusals)
+        groups = self.replica_groups
+        prepared = PreparedOptimizer(optimizer, self.step, self.scaler, self.timing.phase, self._refusals,
+                                     gate=groups.commit if groups is not None else None)
+        if groups is not None:  # last: a group joining a running job may take a live group's state here
+            groups.attach(self.strategy.unwrap(self._built[-1][0]), optimizer)
+        return wrapped, prepared
 
     def _choose_layout(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, example: Any,
                        real: Callable[[nn.Module], nn.Module] | None = None) -> None:
@@ -260,6 +270,8 @@ class Run:
             self._loaders.add(prepared)
             self._loader_prepared = True
             self._global_batch = prepared.global_batch  # for run.log's samples/s
+            if self.replica_groups is not None:
+                self.replica_groups.attach_loader(prepared)
         return prepared
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -297,6 +309,8 @@ class Run:
         if self.scaler is not None:
             for optimizer in self._optimizers:
                 self.scaler.unscale_(optimizer)
+        if self.replica_groups is not None:  # the norm of the gradient averaged over the groups
+            self.replica_groups.reduce()
         return grad_clip.clip_grad_norm_(model, max_norm, norm_type, error_if_nonfinite)
 
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -429,20 +443,42 @@ class Run:
         return Path(root)
 
     def save(self, state: dict[str, Any], path: str | Path | None = None) -> Path:
-        """Write a complete checkpoint atomically (collective: every rank calls it)."""
-        step = state.get("step")
-        step = int(step) if isinstance(step, int) or (torch.is_tensor(step) and step.numel() == 1) else self._saves
-        self._saves = step + 1
-        extra = {"step": step, "micro": self.step.count, "scaler": self.scaler.state_dict() if self.scaler else None,
-                 "strategy": self.strategy.name, "world_size": self.world_size}
+        """Checkpoint `state` atomically (collective: every rank calls it) and return the path it has once published.
+
+        By default (`setup(async_save=True)`) it returns once the state is copied to CPU memory: the next optimizer
+        step may change the weights, and the checkpoint is written, fsynced and published in the background. It
+        first waits for the previous one (raising its error, if it failed); `wait_for_save()` waits without saving.
+        With async_save=False it returns when the checkpoint is published. Either way a crash before publication
+        leaves the previous checkpoint complete and `latest` on it."""
+        background = self.config.async_save
         with self._watch.op_scope("save"):
-            written = checkpoint.save(
+            self._writer.wait()  # the previous one first: published, or its error raised here
+            step = state.get("step")
+            step = int(step) if isinstance(step, int) or (torch.is_tensor(step) and step.numel() == 1) else self._saves
+            self._saves = step + 1
+            extra = {"step": step, "micro": self.step.count, "strategy": self.strategy.name,
+                     "scaler": self.scaler.state_dict() if self.scaler else None, "world_size": self.world_size}
+            group = self._writer.group() if background else None  # collective, the first time
+            staged = checkpoint.stage(
                 self._root(path), step, state, rank=self.rank, world_size=self.world_size,
-                unwrap=self.strategy.unwrap, sharded_state=self.strategy.sharded_state,
-                keep=self.config.keep_last, extra=extra,
+                unwrap=self.strategy.unwrap, sharded_state=self.strategy.sharded_state, extra=extra,
+                copy=self._writer.copy if background else lambda value: value,
             )
-        give_back_freed()
-        return written
+            write = functools.partial(checkpoint.write, staged, rank=self.rank, keep=self.config.keep_last,
+                                      group=group)
+            if background:
+                self._writer.start(staged.final.name, write)  # gives the write's freed memory back when done
+            else:
+                write()
+                give_back_freed()
+        return staged.final
+
+    def wait_for_save(self) -> Path | None:
+        """Block until the checkpoint being written in the background is published and return its path (None when
+        none is in flight); raise CheckpointError naming it if it failed on any rank. Not a collective: each rank
+        waits for its own part, and the ranks' writes agree among themselves. `run.load`, the next `run.save` and
+        `run.close` wait too."""
+        return self._writer.wait()  # not a collective: no place in the heartbeat's sequence of them
 
     def load(self, state: dict[str, Any], path: str | Path | None = None) -> bool:
         """Restore the newest complete checkpoint (or `path`) into `state` in place; False on a fresh start.
@@ -451,6 +487,7 @@ class Run:
         them (the newest complete one, skipping broken ones with a warning). Collective."""
         given = Path(path) if path is not None else None
         with self._watch.op_scope("load"):
+            self._writer.wait()  # the checkpoint being written may be the one to load
             one = given is not None and (checkpoint.is_checkpoint_dir(given) or not given.is_dir())
             target = given if one else checkpoint.find(self._root(path), self.rank)
             if target is None:
@@ -486,6 +523,13 @@ class Run:
         return folder
 
     def close(self) -> None:
+        """Wait for the checkpoint being written (raising its error, after the rest is closed), then end the run."""
+        try:
+            self._writer.close()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self._metrics.close()
         self._watch.stop()
         self._stop.uninstall()
@@ -499,6 +543,7 @@ def setup(**kwargs: Any) -> Run:
     on one rank (an option, a device it lacks) is raised on every rank, before any waits in the group's rendezvous."""
     runtime.install_error_file_hook()  # first: a bad option is then reported by the launcher like any error
     placement = runtime.read_placement()
+    groups = runtime.read_replica_group()
     refusals = _refusals_for(placement, kwargs)
     with refusals.phase("setup"):
         config = make_config(kwargs)
@@ -509,7 +554,9 @@ def setup(**kwargs: Any) -> Run:
         device = runtime.pick_device(config.accelerator, placement.local_rank, max(1, config.devices_per_worker))
         ctx = Context(config=config, placement=placement, device=device, gpus=runtime.cuda_count())
         strategy.check(ctx)
-        grouped = strategy.needs_process_group or placement.world_size > 1
+        if groups is not None:
+            check_strategy(strategy, config, groups)
+        grouped = strategy.needs_process_group or placement.world_size > 1 or groups is not None
         backend = runtime.pick_backend(config.backend, device) if grouped else ""
     timeout = config.timeout_s or runtime.default_timeout_s()
     if grouped:
@@ -522,6 +569,11 @@ def setup(**kwargs: Any) -> Run:
     run = Run(config, strategy, ctx, watch, stop, auto=auto and placement.world_size > 1, refusals=refusals)
     if auto and placement.world_size == 1:
         run.print("paratrain: strategy auto -> single (1 process)")
+    if groups is not None:
+        run.replica_groups = ReplicaGroups.start(groups, placement, *strategy.data_shard(ctx), timeout,
+                                                 runtime.connect_timeout_s(), run.step.restore, lambda: run.step.count,
+                                                 device)
+        atexit.register(run.replica_groups.close)
     _seed(config.seed)
     set_seed(config.seed, run.step.state)
     activate(run.step.state)

@@ -18,11 +18,19 @@ def _run(ns: argparse.Namespace) -> int:
     # the GPU count (torch's) only when no --nproc says how many: bad input is refused before torch loads
     nproc = ns.nproc if ns.nproc is not None else default_nproc()
     spec = LaunchSpec(nproc=nproc, backend=ns.backend, init=ns.init, connect_timeout=ns.connect_timeout,
-                      timeout=ns.timeout)
+                      timeout=ns.timeout, replica_groups=ns.replica_groups or 0, replica_group=ns.replica_group,
+                      lighthouse=ns.lighthouse)
     typed = cluster.NodeFlags(nproc=ns.nproc, nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
                               master_port=ns.master_port, run_id=ns.run_id, max_restarts=ns.max_restarts)
     spec = cluster.resolve(spec, typed, cluster.from_torchrun(torchrun_variables()), read_slurm())
     return run(spec, ns.script, ns.args, dry_run=ns.dry_run)
+
+
+def _lighthouse(ns: argparse.Namespace) -> int:
+    from .launcher.lighthouse import serve
+
+    return serve(ns.host, ns.port, min_groups=ns.min_groups, heartbeat_timeout_s=ns.heartbeat_timeout,
+                 join_timeout_s=ns.join_timeout)
 
 
 def _doctor(ns: argparse.Namespace) -> int:
@@ -111,11 +119,30 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the master")
     r.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait (default 600)")
     r.add_argument("--run-id", default=None, help="the same on every node of one job (default: from Slurm's job)")
+    r.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                   help="R copies of the job averaging gradients through a torchft lighthouse; a failed group "
+                        "restarts and rejoins from a live one (needs paratrain[ft])")
+    r.add_argument("--replica-group", type=int, default=None, metavar="I",
+                   help="start only group I of --replica-groups here (a cluster: one launcher per group)")
+    r.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                   help="the lighthouse of --replica-group (`paratrain lighthouse`); one machine: started for you")
     r.add_argument("--dry-run", action="store_true",
                    help="print the torch.distributed.run command and environment it would start, and exit")
     r.add_argument("script")
     r.add_argument("args", nargs=argparse.REMAINDER)
     r.set_defaults(func=_run)
+
+    from .launcher.lighthouse import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S
+
+    lh = sub.add_parser("lighthouse", help="serve the torchft lighthouse that replica groups of a cluster job share")
+    lh.add_argument("--port", type=int, default=29510, help="port to listen on (0: a free one, printed)")
+    lh.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    lh.add_argument("--min-groups", type=int, default=1, help="groups a step needs (default 1: any survivor trains)")
+    lh.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+                    help="seconds of silence after which a group is left out of the next step")
+    lh.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S,
+                    help="seconds a step waits for a live group that has not asked yet (one still starting)")
+    lh.set_defaults(func=_lighthouse)
 
     d = sub.add_parser("doctor", help="report devices, backends and launch environment; exit 1 on problems")
     d.add_argument("--master-port", type=int, default=29500)

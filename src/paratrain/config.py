@@ -22,6 +22,7 @@ BalanceMode = Literal["time", "memory", "equal"]
 CommHook = Literal["auto", "bf16", "fp16", "powersgd"]
 BatchNormMode = Literal["exact", "local"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
+LossKind = Literal["any", "token_mean"]
 
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)[1:]
 """Every strategy, in the order documentation lists them ("auto" is not one: it picks one)."""
@@ -56,6 +57,9 @@ class Config:
     """Directory for `save`/`load`; `load` resumes from its newest complete checkpoint."""
     keep_last: int = 3
     """Checkpoints kept in checkpoint_dir; older ones are removed after a successful save."""
+    async_save: bool = True
+    """`run.save` returns once the state is copied to CPU memory and the checkpoint is written and published in the
+    background (checkpoint/background.py); False: it returns when the checkpoint is published."""
     log_dir: str | None = None
     """Where rank 0's `run.log` writes metrics.jsonl and TensorBoard event files; None: <checkpoint_dir>/logs
     (so a resumed run continues its logs), or runs/<date>-<time> without a checkpoint_dir. Made at the first log."""
@@ -77,6 +81,11 @@ class Config:
     all-reduced over data-parallel workers on any device; refused for micro-batches and traced stages) or
     "local" (each part normalised by its own rows; pipelines still update running statistics once per step).
     See parallel/batchnorm.py."""
+    loss: LossKind = "any"
+    """What the loss function computes: "any" (paratrain assumes nothing: under context parallelism the outputs are
+    gathered into whole sequences for it), or "token_mean" (a mean over the targets' tokens, those equal to -100
+    left out, as `cross_entropy(..., ignore_index=-100)`): then each context-parallel rank takes the loss of its own
+    tokens, weighted by their count, and no logits are gathered."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute activations in the backward instead of keeping them: "full" keeps each block's input only,
     "selective" keeps matrix-multiplication outputs; per block (per layer of a pipeline stage), results
@@ -164,6 +173,7 @@ def validate(cfg: Config) -> Config:
     check_choice("schedule", cfg.schedule, Schedule)
     check_choice("batchnorm", cfg.batchnorm, BatchNormMode)
     check_choice("activation_checkpointing", cfg.activation_checkpointing, ActivationCheckpointing)
+    check_choice("loss", cfg.loss, LossKind)
     if not isinstance(cfg.compile, bool):  # a backend's name: torch's list (imports torch, which it will use)
         from .parallel.compile import check_backend
 
@@ -181,6 +191,8 @@ def validate(cfg: Config) -> Config:
         raise ParatrainError(f"log_dir must be a directory path (a non-empty string) or None, got {cfg.log_dir!r}")
     if not isinstance(cfg.profile, bool):
         raise ParatrainError(f"profile must be True or False, got {cfg.profile!r}")
+    if not isinstance(cfg.async_save, bool):
+        raise ParatrainError(f"async_save must be True or False, got {cfg.async_save!r}")
     threshold = cfg.straggler_threshold
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                   or not threshold > 0):

@@ -145,6 +145,33 @@ def read_placement(env: dict[str, str] | None = None) -> Placement:
     return Placement()
 
 
+@dataclass(frozen=True)
+class ReplicaGroupLaunch:
+    """This worker's replica group (`paratrain run --replica-groups R`): groups train the same model on their
+    rows of each global batch and average gradients through a torchft lighthouse; each restarts on its own."""
+
+    index: int
+    count: int
+    lighthouse: str
+    """The lighthouse's address, http://HOST:PORT."""
+
+
+def read_replica_group(env: Mapping[str, str] | None = None) -> ReplicaGroupLaunch | None:
+    """The replica group `paratrain run` put this worker in (PARATRAIN_REPLICA_GROUP(S), PARATRAIN_LIGHTHOUSE)."""
+    env = os.environ if env is None else env
+    count = _int(env, "PARATRAIN_REPLICA_GROUPS", 0)
+    if count < 1:
+        return None
+    index = _int(env, "PARATRAIN_REPLICA_GROUP", 0)
+    lighthouse = env.get("PARATRAIN_LIGHTHOUSE", "")
+    if not lighthouse or not 0 <= index < count:
+        raise ParatrainError(
+            f"PARATRAIN_REPLICA_GROUPS={count} needs PARATRAIN_REPLICA_GROUP in 0..{count - 1} (got {index}) and "
+            f"PARATRAIN_LIGHTHOUSE (got {lighthouse!r}); start groups with `paratrain run --replica-groups`"
+        )
+    return ReplicaGroupLaunch(index, count, lighthouse)
+
+
 def env_flag(name: str) -> str | None:
     """paratrain's own settings passed by its launchers (PARATRAIN_*)."""
     return os.environ.get(f"PARATRAIN_{name}")
@@ -254,7 +281,8 @@ def _store_for(placement: Placement, init: str | None, timeout: timedelta) -> di
     return _tcp_store(placement.master_addr, placement.master_port, placement, timeout)
 
 
-def _connect_timeout() -> float:
+def connect_timeout_s() -> float:
+    """Seconds to wait for a server this process needs (the master's store, a lighthouse) before failing."""
     value = env_flag("CONNECT_TIMEOUT")
     return float(value) if value else DEFAULT_CONNECT_TIMEOUT_S
 
@@ -276,7 +304,7 @@ def _tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -
 
 def _connect_tcp_store(host: str, port: int, placement: Placement, timeout: timedelta) -> dist.Store:
     import torch.distributed as dist
-    connect = min(_connect_timeout(), timeout.total_seconds())
+    connect = min(connect_timeout_s(), timeout.total_seconds())
     try:
         return dist.TCPStore(
             host,
@@ -352,6 +380,10 @@ def destroy_process_group() -> None:
     reducer's gloo threads can outlive the runtime and abort the process ("terminate called without an
     active exception")."""
     import torch.distributed as dist
+
+    writes = sys.modules.get("paratrain.checkpoint.background")
+    if writes is not None:  # a checkpoint written in the background is published (or fails) before its group goes
+        writes.finish_all()
     if dist.is_initialized():
         import gc
 

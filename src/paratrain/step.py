@@ -101,7 +101,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, step: Step, scaler: torch.amp.GradScaler | None,
                  timed: Callable[[str], AbstractContextManager[Any]] | None = None,
-                 refusals: Refusals | None = None) -> None:
+                 refusals: Refusals | None = None, gate: Callable[[], bool] | None = None) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns param_groups and state.
         self.optimizer = optimizer
         self._step = step
@@ -110,6 +110,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         """Times the real step as the "optimizer" phase while profiling (observe/breakdown.py)."""
         self._first_step: Refusals | None = refusals
         """Until the first real step: whom it agrees with."""
+        self._gate = gate
+        """Asked before each real step whether to take it (replica groups: the step's gradients were reduced
+        between groups); False drops the window's gradients instead."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -131,6 +134,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
             return self._step_now(closure)
 
     def _step_now(self, closure: Callable[[], float] | None) -> Any:
+        if self._gate is not None and not self._gate():
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         with self._timed("optimizer"):
             if self.scaler is not None:
                 result = self.scaler.step(self.optimizer, *(() if closure is None else (closure,)))

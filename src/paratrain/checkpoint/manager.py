@@ -1,7 +1,11 @@
 """The collective save/load protocol all ranks follow.
 
-    rank 0: make .tmp dir ──broadcast──▶ every rank writes + fsyncs its files ──all agree it worked──▶
-    rank 0: manifest + rename + `latest` + retention ──broadcast outcome──▶ every rank returns or raises
+    stage: every rank takes its state (rank 0 makes the .tmp dir) ──all agree it worked──▶
+    write: every rank writes + fsyncs its files ──all agree it worked──▶
+           rank 0: manifest + rename + `latest` + retention ──broadcast outcome──▶ every rank returns or raises
+
+`stage` runs where the training loop runs; `write` may run in another thread (`background`) on a process group
+of its own, from copies `stage` made, while training goes on; `save` is the two in a row.
 
 Replicated strategies write one `shared.pt` from rank 0; sharded ones (`strategy.sharded_state`)
 write their models and optimizers with torch.distributed.checkpoint into `model/` and the rest of
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, is_comm_failure
-from . import portable, rng, sharded, store
+from . import portable, rng, sharded, store, strided
 from . import state as state_mod
 from .state import Unwrap
 
@@ -33,15 +38,15 @@ def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, group: Any = None) -> Any:
     if not _distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _on_rank0(rank: int, fn: Callable[[], T]) -> T:
+def _on_rank0(rank: int, fn: Callable[[], T], group: Any = None) -> T:
     """Run `fn` on rank 0 and give every rank its result, or raise its CheckpointError on every rank."""
     outcome: tuple[str, Any] | None = None
     if rank == 0:
@@ -53,7 +58,7 @@ def _on_rank0(rank: int, fn: Callable[[], T]) -> T:
             if is_comm_failure(exc):
                 raise
             outcome = ("error", f"checkpoint step failed on rank 0: {type(exc).__name__}: {exc}")
-    kind, value = _broadcast(outcome)
+    kind, value = _broadcast(outcome, group)
     if kind == "error":
         raise CheckpointError(value)
     return value  # type: ignore[no-any-return]
@@ -63,66 +68,115 @@ def _torch_save(obj: Any, path: Path) -> None:
     store.write_file(path, lambda f: torch.save(obj, f))
 
 
-def _everywhere(rank: int, fn: Callable[[], None]) -> None:
+def _everywhere(rank: int, fn: Callable[[], Any], group: Any = None) -> Any:
     """Run `fn` on every rank, then agree: if it failed anywhere, every rank raises naming where and why
-    (instead of the healthy ranks waiting in their next collective for the one that raised)."""
-    error = None
+    (instead of the healthy ranks waiting in their next collective for the one that raised). Returns rank 0's
+    result (a small value: it travels with the agreement)."""
+    error, result = None, None
     try:
-        fn()
+        result = fn()
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt | SystemExit) or is_comm_failure(exc):
             raise
         error = f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[:1000]}"
-    errors = [error]
+    outcomes = [(error, result)]
     if _distributed():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    bad = [e for e in errors if e]
+        outcomes = [(None, None)] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (error, result if rank == 0 else None), group=group)
+    bad = [e for e, _ in outcomes if e]
     if bad:
         raise CheckpointError("\n".join(bad))
+    return outcomes[0][1]
+
+
+def _same(value: T) -> T:
+    return value
+
+
+@dataclass
+class Staged:
+    """One rank's part of a checkpoint, taken from the state: what `write` puts on disk, from any thread."""
+
+    root: Path
+    step: int
+    tmp: Path
+    """The temporary directory rank 0 made; renamed to `final` when every rank's files are in it."""
+    files: dict[str, Any]
+    """File name -> what torch.save writes there."""
+    shards: dict[str, Any] | None
+    """Sharded strategies: the model and optimizer state dicts DCP writes into `model/`."""
+    info: dict[str, object]
+
+    @property
+    def final(self) -> Path:
+        return self.root / store.checkpoint_name(self.step)
+
+
+def stage(
+    root: str | Path, step: int, user_state: dict[str, Any], *, rank: int, world_size: int, unwrap: Unwrap,
+    sharded_state: bool, extra: dict[str, Any], copy: Callable[[Any], Any] = _same,
+) -> Staged:
+    """Take what every rank writes from `user_state` now, through `copy` (a CPU copy for a checkpoint written in the
+    background, so the next optimizer step cannot change it); collective: the ranks agree that every one of them
+    could, and rank 0 makes the temporary directory."""
+    root = Path(root)
+    taken: dict[str, Any] = {"files": {}, "gathered": None}
+
+    def take() -> str | None:
+        files = taken["files"]
+        if sharded_state:
+            gathered = sharded.gather(user_state, unwrap)
+            taken["gathered"] = copy(strided.for_save(gathered)) if strided.NATIVE else gathered
+            rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
+            files[f"rank-{rank}.pt"] = copy({"state": rest, "extra": extra})
+        else:
+            # built on every rank, though rank 0 alone writes it: a user's state_dict() may be collective
+            payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
+            portable.record_names(payload["state"], user_state, unwrap)
+            if rank == 0:
+                files["shared.pt"] = copy(payload)
+        files[f"rng-{rank}.pt"] = rng.capture()  # new objects already: nothing the next step changes
+        return str(store.begin(root, step)) if rank == 0 else None
+
+    # A rank whose state cannot be taken fails every rank here, naming it, before anyone enters DCP's collectives
+    # (where the others would wait for it until the timeout).
+    tmp = Path(_everywhere(rank, take))
+    shards = taken["gathered"]
+    if sharded_state and not strided.NATIVE:  # an older torch re-splits strided tensors: collective, so here
+        shards = copy(strided.for_save(shards))
+    info: dict[str, object] = {"world_size": world_size, "sharded": sharded_state,
+                               "layout": "dcp" if sharded_state else "torch"}
+    return Staged(root, step, tmp, taken["files"], shards, info)
+
+
+def write(staged: Staged, *, rank: int, keep: int, group: Any = None) -> Path:
+    """Put a staged checkpoint on disk and publish it; collective over `group` (the default one if None)."""
+
+    def files() -> None:
+        if staged.shards is not None:
+            sharded.save(staged.tmp, staged.shards, group)
+        for name, obj in staged.files.items():
+            _torch_save(obj, staged.tmp / name)
+
+    _everywhere(rank, files, group)  # doubles as the barrier: every file is on disk before rank 0 publishes
+
+    def publish() -> str:
+        final = store.publish(staged.root, staged.tmp, staged.step, staged.info)
+        store.retain(staged.root, keep)
+        return str(final)
+
+    return Path(_on_rank0(rank, publish, group))
 
 
 def save(
     root: str | Path, step: int, user_state: dict[str, Any], *, rank: int, world_size: int, unwrap: Unwrap,
     sharded_state: bool, keep: int, extra: dict[str, Any],
 ) -> Path:
-    """Write a complete checkpoint of `user_state` at `step` under `root`; collective."""
-    root = Path(root)
-    tmp = Path(_on_rank0(rank, lambda: str(store.begin(root, step))))
-
-    gathered: dict[str, Any] = {}
-
-    def gather() -> None:
-        if sharded_state:
-            gathered.update(sharded.gather(user_state, unwrap))
-
-    # A rank whose state cannot be gathered fails every rank here, naming it, before anyone enters DCP's
-    # collectives (where the others would wait for it until the timeout).
-    _everywhere(rank, gather)
-
-    def write() -> None:
-        if sharded_state:
-            sharded.save(tmp, gathered)
-            rest = state_mod.collect(user_state, unwrap, skip=sharded.handled(user_state))
-            _torch_save({"state": rest, "extra": extra}, tmp / f"rank-{rank}.pt")
-        else:
-            # built on every rank, though rank 0 alone writes it: a user's state_dict() may be collective
-            payload = {"state": state_mod.collect(user_state, unwrap), "extra": extra}
-            portable.record_names(payload["state"], user_state, unwrap)
-            if rank == 0:
-                _torch_save(payload, tmp / "shared.pt")
-        _torch_save(rng.capture(), tmp / f"rng-{rank}.pt")
-
-    _everywhere(rank, write)  # doubles as the barrier: every file is on disk before rank 0 publishes
-    info: dict[str, object] = {"world_size": world_size, "sharded": sharded_state,
-                               "layout": "dcp" if sharded_state else "torch"}
-
-    def publish() -> str:
-        final = store.publish(root, tmp, step, info)
-        store.retain(root, keep)
-        return str(final)
-
-    return Path(_on_rank0(rank, publish))
+    """Write a complete checkpoint of `user_state` at `step` under `root`, and return when it is published;
+    collective."""
+    staged = stage(root, step, user_state, rank=rank, world_size=world_size, unwrap=unwrap,
+                   sharded_state=sharded_state, extra=extra)
+    return write(staged, rank=rank, keep=keep)
 
 
 def find(root: str | Path, rank: int) -> Path | None:

@@ -119,11 +119,12 @@ def gather(state: dict[str, Any], unwrap: Unwrap) -> dict[str, Any]:
     return _state_dicts(*split(state, unwrap))
 
 
-def save(checkpoint: Path, state_dicts: dict[str, Any]) -> None:
-    """Collective: every rank writes its shards (from `gather`) into `checkpoint/model/`."""
+def save(checkpoint: Path, state_dicts: dict[str, Any], process_group: Any = None) -> None:
+    """Collective over `process_group` (the default one if None): every rank writes its shards (from `gather`,
+    through `strided.for_save`) into `checkpoint/model/`."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(strided.for_save(state_dicts), checkpoint_id=str(checkpoint / _DIR))
+    dcp.save(state_dicts, checkpoint_id=str(checkpoint / _DIR), process_group=process_group)
 
 
 def _check_fits(checkpoint: Path, target: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -22,6 +22,14 @@ from ..parallel import randomness, step_state
 from . import indexed
 from .order import Epoch, _numpy, read_order
 from .plan import ONE, Batch, Layout, Weight, batch_ends, check_epoch, evaluation_batches, replica_batches
+
+
+class StepShares(Protocol):
+    """Replica groups (faults/replica_groups): who takes which rows is decided per step, by who is alive."""
+
+    def begin(self) -> tuple[int, int]:
+        """This step's quorum, begun once per step: this worker's share of the global batch as (share, shares)."""
+        ...
 
 
 class ShardedLoader:
@@ -62,6 +70,9 @@ class ShardedLoader:
         self._batches = _Batches()
         self._followed = self._sampler_epoch()
         self._stamp, self._weight, self._unclaimed, self._ahead = 0, ONE, 0, False
+        self.replica_steps: StepShares | None = None
+        """Set for replica groups: each step's shares come from it, and the position moves on `step_done(True)`."""
+        self._pending_end: int | None = None
         if self.view is not None and device is not None:
             indexed.check_same_shards(self.view, device)
         first = self._draw()
@@ -128,28 +139,32 @@ class ShardedLoader:
             self._drawn = (self.epoch, self.order.draw(self.epoch))
         return self._drawn[1]
 
-    def _plan(self, from_start: bool = False) -> list[Batch]:
+    def _plan(self, from_start: bool = False, layout: Layout | None = None) -> list[Batch]:
+        layout = layout or self.layout
         epoch = self._draw()
         consumed = 0 if from_start else self.consumed
         if self.evaluation:
             return [Batch(b, len(epoch.order)) for b in
-                    evaluation_batches(epoch.order, epoch.ends, self.layout, self.batch_size)]
+                    evaluation_batches(epoch.order, epoch.ends, layout, self.batch_size)]
         start, ends = 0, epoch.ends
         if ends is None:
             assert self.global_batch is not None
             start = consumed % self.global_batch  # 0 unless resumed with another global batch
-            ends = batch_ends(len(epoch.order), self.global_batch, self.drop_last, self.layout.grad_accum, start)
+            ends = batch_ends(len(epoch.order), self.global_batch, self.drop_last, layout.grad_accum, start)
         elif consumed and consumed not in ends:
             raise ParatrainError(
                 f"the checkpoint's position {consumed} is not at a batch boundary of this batch_sampler's epoch "
                 f"{self.epoch}; resume with the batch_sampler the saving run used"
             )
-        check_epoch(ends, self.layout, per_worker=self.batch_size, start=start)
-        return replica_batches(epoch.order, ends, consumed, self.layout, start)
+        check_epoch(ends, layout, per_worker=self.batch_size, start=start)
+        return replica_batches(epoch.order, ends, consumed, layout, start)
 
     # -- iterating ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         self._follow_sampler()
+        if self.replica_steps is not None and not self.evaluation:
+            yield from self._iter_steps(self.replica_steps)
+            return
         plan = self._plan()
         self._unclaimed, self._ahead = 0, False
         if plan:
@@ -164,6 +179,35 @@ class ShardedLoader:
         self._weight = ONE
         if not self.evaluation:
             self.epoch, self.consumed = self.epoch + 1, 0
+
+    def _iter_steps(self, shares: StepShares) -> Iterator[Any]:
+        """Replica groups: one accumulation window at a time, cut over the groups alive at that step. The position
+        moves when the step commits (`step_done`), so a dropped step's global batch is yielded again."""
+        epoch = self.epoch
+        self._unclaimed, self._ahead = 0, False
+        while self.epoch == epoch and self._plan():
+            share, count = shares.begin()  # may recover this worker's state from a live group: position included
+            if self.epoch != epoch:
+                return  # recovered into a later epoch: that pass continues there
+            layout = Layout(share, count, self.layout.grad_accum, self.layout.equal_shares)
+            for item in self._plan(layout=layout)[: layout.grad_accum]:
+                loaded = self._load([item])
+                batch = next(iter(loaded if self.timing is None else self.timing.batches(loaded)))
+                self._pending_end = item.end
+                self._stamp, self._weight = next((self.step_state or step_state.active()).batches), item.weight
+                self._unclaimed += 1
+                randomness.set_rows_before(item.rows_before, self.step_state)
+                yield batch
+        self._weight = ONE
+        if self.epoch == epoch and not self._plan():
+            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def step_done(self, committed: bool) -> None:
+        """Replica groups: the step that trained on the batches yielded since the last call committed (the position
+        moves past them) or was dropped (they come again)."""
+        if committed and self._pending_end is not None:
+            self.consumed = self._pending_end
+        self._pending_end = None
 
     def peek(self) -> Any:
         """The batch the next iteration yields first, read here without moving the loader: its position, the

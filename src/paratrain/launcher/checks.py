@@ -28,6 +28,12 @@ class LaunchSpec:
     run_id: str = "paratrain"
     origin: str = ""
     """Where the node fields came from when not from flags (a Slurm job step), for --dry-run."""
+    replica_groups: int = 0
+    """R > 0: the job is R replica groups averaging gradients through a torchft lighthouse (launcher/replica_groups)."""
+    replica_group: int | None = None
+    """This launcher's group (0..R-1); None with R > 0: start all R groups on this machine."""
+    lighthouse: str | None = None
+    """The lighthouse's HOST:PORT; None on one machine: `paratrain run` starts one."""
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

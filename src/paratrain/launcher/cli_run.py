@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .. import file_store
 from ..errors import ParatrainError
 from ..runtime import cuda_count, torchrun_variables, warm_modules
-from . import _lifeline, _warm_run
+from . import _lifeline, _warm_run, lighthouse, replica_groups
 from .checks import LaunchSpec, check
 from .cluster import TORCHRUN_VARIABLES
 from .failures import Failure, describe
@@ -68,6 +68,7 @@ def worker_env(spec: LaunchSpec) -> dict[str, str]:
     # prefix: restarted workers then read the previous generation's gloo/NCCL addresses and fail to
     # connect or hang (pytorch/pytorch#135712). A fresh store per rendezvous round keeps restarts clean.
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.update(replica_groups.worker_env(spec))
     return env
 
 
@@ -92,8 +93,14 @@ def check_init(spec: LaunchSpec) -> None:
 def run(spec: LaunchSpec, script: str, script_args: list[str], dry_run: bool = False) -> int:
     if not os.path.exists(script):
         raise ParatrainError(f"script {script!r} not found")
+    if spec.replica_groups and spec.replica_group is None:  # every group on this machine, each its own agent
+        return replica_groups.run_all(spec, script, script_args, dry_run)
+    if spec.replica_groups:
+        replica_groups.check(spec)
     check(spec, reach_master=False)  # bad input refused before torch is imported
     check_init(spec)
+    if spec.lighthouse is not None and not dry_run:
+        lighthouse.wait_until_reachable(spec.lighthouse, spec.connect_timeout)
     if not dry_run:
         # torch (seconds) before waiting for node 0: once node 0's store is up, this node joins at once
         # instead of after an import that an elastic rendezvous's last call (3 s) may not wait for

@@ -259,6 +259,8 @@ class Share:
         self.gather = _Gather(group, size)
         self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._calls = 0
+        self.own_tokens = False
+        """Set while a micro-step takes each rank's loss over its own tokens (`token_mean`): outputs stay shares."""
 
     def layout(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's places in a sequence of `length`, and the group's places rank after rank (as a gather
@@ -314,10 +316,57 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
             kwargs["attention_mask"] = torch.ones(batch, len(mine), dtype=torch.long, device=device)
         with share.attending(length, documents):
             out = inner(*args, **kwargs)
-        return share.whole(out, length)
+        return out if share.own_tokens else share.whole(out, length)
 
     _forwards.replace(model, forward, REASON)
+    model.__dict__[_SHARE] = share
     return model
+
+
+_SHARE = "_paratrain_share"
+
+
+def _counted(targets: torch.Tensor) -> int:
+    """Tokens a token mean counts: every element of float targets, integer ones but `IGNORED`."""
+    return targets.numel() if targets.is_floating_point() else int((targets != IGNORED).sum())
+
+
+def share_of(model: nn.Module) -> Share | None:
+    """The `Share` of a model `apply_cp` wrapped (None for others)."""
+    found = model.__dict__.get(_SHARE)
+    return found if isinstance(found, Share) else None
+
+
+IGNORED = -100
+"""The target that a token mean leaves out (`F.cross_entropy`'s default `ignore_index`)."""
+
+
+@contextlib.contextmanager
+def own_tokens(share: Share, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Iterator[Callable[[Any, Any], Any]]:
+    """While open, the model's outputs stay this rank's share, and the returned loss function takes the loss of the
+    share's tokens: `loss_fn` on the share's outputs and targets, times cp x (the share's counted tokens / the whole
+    row's). Summed over the group that is the whole rows' token mean times cp, which the data-parallel mean over the
+    cp ranks divides, as it divides the gathered loss every rank computes otherwise; the logits are never
+    gathered. Exact only for a token mean (`setup(loss="token_mean")` says it is one)."""
+
+    def loss(out: Any, targets: Any) -> torch.Tensor:
+        if not isinstance(targets, torch.Tensor) or targets.dim() < 2:
+            raise ParatrainError(
+                "setup(loss='token_mean') under context parallelism cuts the targets like the inputs, one per token "
+                f"along dimension 1; these targets are {type(targets).__name__} "
+                f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else ''}: use loss='any'")
+        local = share.cut(targets, targets.shape[1])
+        whole, part = _counted(targets), _counted(local)
+        taken = loss_fn(out, local)
+        if part == 0:  # none of this share's tokens counts: its mean is 0/0, its weight 0
+            return torch.nan_to_num(taken) * 0.0
+        return taken * (share.size * part / whole)
+
+    share.own_tokens = True
+    try:
+        yield loss
+    finally:
+        share.own_tokens = False
 
 
 def takes_positions(model: nn.Module) -> bool:

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..config import Config
 from ..errors import ParatrainError
+from ..parallel.context import own_tokens, share_of
 from ..parallel.data_parallel import evaluate, forward_backward
 from ..parallel.data_parallel.fsdp import set_fsdp_sync
 from ..parallel.data_parallel.replicas import Replicas, Stages
@@ -85,7 +86,11 @@ class NDStrategy:
     def forward_backward(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, backward: Backward,
                          ctx: Context) -> torch.Tensor:
         if "pp" not in self.axes:
-            return forward_backward(model, inputs, targets, loss_fn, backward)
+            share = share_of(self.unwrap(model)) if ctx.config.loss == "token_mean" else None
+            if share is None:
+                return forward_backward(model, inputs, targets, loss_fn, backward)
+            with own_tokens(share, loss_fn) as own_loss:  # each cp rank its own tokens' loss: no logits gathered
+                return forward_backward(model, inputs, targets, own_loss, backward)
         from ..parallel.pipeline.pipelining import global_loss
 
         if not isinstance(model, Stages):
