@@ -90,6 +90,14 @@ EXTENDED = {
     "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[fsdp+cp-4]",  # cp-2, tp+cp-4
     "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[cp-4]",
     "test_context_parallel.py::test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout[fsdp+cp]",
+    # eight workers on two cores: the four-worker cells of the same machinery run in make test
+    "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[ddp+fsdp+cp-8]",  # fsdp+cp, ddp+cp
+    "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[fsdp+cp+pp-8]",  # cp+pp-4
+    "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[tp+cp+pp-8]",  # cp+pp-4, tp+cp-4
+    "test_context_parallel.py::test_context_parallel_layouts_match_plain_pytorch[fsdp+cp-token_mean-4]",  # cp-2's
+    "test_moe.py::test_moe_layouts_match_plain_pytorch[tp+ep+pp]",  # ep+pp, and tp inside stages: tp+pp's cells
+    "test_moe.py::test_moe_layouts_match_plain_pytorch[fsdp+ep+pp]",  # ep+pp, and FSDP over stages: fsdp+pp
+    "test_moe.py::test_a_checkpoint_resumes_with_the_experts_laid_out_anew[mixtral-ep+pp-to-fsdp+ep]",  # cp+pp's
     "test_bench.py::test_a_failing_model_is_reported_failed_with_its_error",
     "test_launch_api.py::test_launch_from_a_script[warm]",  # test_launch_api's other warm launches
     "test_lora_export.py::test_lora_export_loads_in_peft_and_matches_plain_pytorch[pp]",  # single, fsdp
@@ -105,6 +113,10 @@ EXTENDED = {
     "test_orphans.py::test_an_elastic_restart_is_not_the_agent_dying",  # test_resume's restarts, tied the same way
     # 2 groups of 2 workers (6 processes on 2 cores, 21 s): the [1] case runs the same kill, recovery and redo
     "test_replica_groups.py::test_killed_group_restarts_and_rejoins_from_the_live_one[2]",
+    # a group killed in another phase of a step, and again in another phase of its rejoining (10 s each): the
+    # [1-forward-recovery] case runs the same kills, redos and recoveries
+    "test_replica_groups.py::test_a_group_killed_in_any_phase_and_again_while_rejoining_ends_exact[5-backward-first-step]",
+    "test_replica_groups.py::test_a_group_killed_in_any_phase_and_again_while_rejoining_ends_exact[7-optimizer-recovery]",
     # whole modules
     "test_resume_layouts.py",  # every layout's checkpoint under every other: test_checkpoint, test_fsdp, test_moe,
     # test_tensor_parallel and test_context_parallel each resume across layouts and world sizes in make test

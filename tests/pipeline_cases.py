@@ -89,6 +89,7 @@ def train(strategy: str, steps: int = 3, batch: int = 16, kind: str = "seq", gra
         if save_to and step == 1:
             state["step"] = step + 1
             run.save(state, path=save_to)
+            run.wait_for_save()  # the caller lists the checkpoint's files next; the write runs in the background
     weights = {k: v.detach().cpu().clone() for k, v in run.unwrap(model).state_dict().items()}
     plan = getattr(model, "plan", None)
     tuning = getattr(model, "ddp_tuning", None)  # comm_hook="auto": what was measured and chosen

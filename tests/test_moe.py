@@ -103,16 +103,19 @@ def test_expert_parallel_refuses_what_it_cannot_split() -> None:
         apply_ep(dense, groups)
 
 
-def test_expert_parallelism_with_a_pipeline_or_context_axis_is_refused_by_name() -> None:
+def test_expert_parallelism_with_a_context_axis_is_refused_by_name_and_with_a_pipeline_built() -> None:
     from paratrain.config import make_config
     from paratrain.runtime import Placement
     from paratrain.strategies import Context, get
 
-    for name, world in (("ddp+ep+pp", 4), ("ep+cp", 4)):
+    def check(name: str, world: int) -> None:
         ctx = Context(config=make_config({"strategy": name}), device=torch.device("cpu"),
                       placement=Placement(world_size=world, local_world_size=world))
-        with pytest.raises(ParatrainError, match="with cp or pp it is not built: drop 'ep', or drop 'cp'/'pp'"):
-            get(name).check(ctx)
+        get(name).check(ctx)  # the degrees from the name and the world (Context.dims)
+
+    check("ddp+ep+pp", 4)  # experts inside pipeline stages (test_moe_layouts_match_plain_pytorch[ep+pp])
+    with pytest.raises(ParatrainError, match="expert parallelism beside context parallelism is not built"):
+        check("ddp+ep+cp", 8)
 
 
 def test_expert_degrees_are_checked_with_their_arithmetic() -> None:
