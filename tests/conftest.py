@@ -111,7 +111,7 @@ EXTENDED = {
     "test_orphans.py::test_launch_killed_leaves_no_worker[spawned-alone]",
     "test_orphans.py::test_launch_killed_leaves_no_worker[warm-group]",
     "test_orphans.py::test_an_elastic_restart_is_not_the_agent_dying",  # test_resume's restarts, tied the same way
-    # 2 groups of 2 workers (6 processes on 2 cores, 21 s): the [1] case runs the same kill, recovery and redo
+    # 2 groups of 2 workers (6 processes on 2 cores, 10 s): the [1] case runs the same kill, recovery and redo
     "test_replica_groups.py::test_killed_group_restarts_and_rejoins_from_the_live_one[2]",
     # a group killed in another phase of a step, and again in another phase of its rejoining (10 s each): the
     # [1-forward-recovery] case runs the same kills, redos and recoveries

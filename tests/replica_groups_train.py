@@ -33,6 +33,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 
 PHASES = ("reduce", "forward", "backward", "optimizer")
+FINAL_STEPS, FINAL_PACE_S = 8, 2.0
+"""While a killed group is away, a survivor takes each of the run's last 8 steps at most every 2 s, so that the
+group rejoins a running job (and recovers from it) instead of finding it finished; it keeps asking for quorums,
+so the group joins the first one after it is back."""
 
 
 def main() -> None:
@@ -46,7 +50,8 @@ def main() -> None:
     parser.add_argument("--kill-all", type=int, default=None, help="every group's worker dies at step S (once)")
     parser.add_argument("--save-every", type=int, default=0, help="group 0 checkpoints every N committed steps")
     parser.add_argument("--pace", type=float, default=0.0,
-                        help="seconds a survivor waits after each step while a killed group is away")
+                        help="seconds a survivor waits after each step while a killed group is away (FINAL_PACE_S "
+                             "for the last FINAL_STEPS)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +72,10 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     raw = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     steps_per_epoch = n // args.global_batch
+
+    def done() -> int:
+        """Global batches committed: the loader's position once a step has committed."""
+        return loader.epoch * steps_per_epoch + loader.consumed // args.global_batch
 
     kill_group, kill_step, phase = _parse_kill(args.kill)
     victim = groups is not None and group == kill_group  # every rank of the killed group
@@ -97,7 +106,7 @@ def main() -> None:
             die("killed")
 
     def on_commit(*_: Any) -> None:  # an optimizer-step pre-hook: the step committed (a dropped one never steps)
-        line = {"step": now["step"], "ids": now["ids"], "t": time.time(), "gen": generation,
+        line = {"step": done() - 1, "ids": now["ids"], "t": time.time(), "gen": generation,
                 "groups": groups.manager.num_participants() if groups is not None else 1}
         with open(out / f"steps-{name}-rank{run.rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -109,8 +118,6 @@ def main() -> None:
     raw.register_step_pre_hook(on_commit)  # before any other pre-hook: the record is written before a kill
     if victim and run.rank == 0 and generation == 1 and args.rejoin_kill == "recovery":
         model.register_load_state_dict_post_hook(lambda *_: die("killed-again"))  # the live state arriving
-    if victim and generation > 0:
-        (out / f"joining-gen{generation}").write_text(str(os.getpid()))  # restarted: it joins in prepare
     model, optimizer = run.prepare(model, raw)  # a group that rejoins a running job recovers here
     recovered = bool(groups is not None and groups.recovered)
     now["recovered_at_start"] = recovered
@@ -122,31 +129,29 @@ def main() -> None:
         (out / "rejoined").write_text(str(os.getpid()))
 
     last = args.epochs * steps_per_epoch - 1
-    held, trained = False, 0
+    paced, trained = 0, 0
     while loader.epoch < args.epochs:
         for ids, x, y in loader:
-            now["step"] = loader.epoch * steps_per_epoch + loader.consumed // args.global_batch
+            now["step"] = done()  # this step's index under replica groups (their position moves on a commit)
             now["ids"] = ids.tolist()
             run.forward_backward(model, x, y, torch.nn.MSELoss())
             if due("reduce"):
                 die("killed")
-            before = loader.consumed, loader.epoch
+            redone = groups.redone if groups is not None else 0
             optimizer.step()
             optimizer.zero_grad()
-            committed = (loader.consumed, loader.epoch) != before
-            if committed:
-                state["step"], trained = now["step"] + 1, trained + 1
+            if groups is None or groups.redone == redone:  # committed (a dropped step comes again)
+                state["step"], trained = done(), trained + 1
                 if args.save_every and group <= 0 and state["step"] % args.save_every == 0:
                     run.save(state)
-                if groups is not None and not victim and away(out):
-                    if args.pace:
-                        time.sleep(args.pace)  # train on, slower, while the killed group restarts
-                    if state["step"] == last:
-                        held = hold_until_joining(out, final)
+                if groups is not None and not victim and away(out):  # train on, slower, while it restarts
+                    slow = last - state["step"] < FINAL_STEPS
+                    time.sleep(FINAL_PACE_S if slow else args.pace)
+                    paced += slow
     run.wait_for_save()
     torch.save(run.unwrap(model).state_dict(), out / f"weights-{name}-rank{run.rank}.pt")
     report: dict[str, Any] = {"steps": trained, "pid": os.getpid(), "generation": generation,
-                              "resumed": resumed, "held": held}
+                              "resumed": resumed, "paced": paced}
     if groups is not None:
         report |= {"recovered": groups.recovered, "redone": groups.redone}
     (out / f"report-{name}-rank{run.rank}.json").write_text(json.dumps(report))
@@ -166,16 +171,6 @@ def _parse_kill(spec: str | None) -> tuple[int, int, str]:
 def away(out: Path) -> bool:
     """A group was killed and has not rejoined yet."""
     return (out / "killed").exists() and not (out / "rejoined").exists()
-
-
-def hold_until_joining(out: Path, generation: int) -> bool:
-    """Before the last step a survivor waits for the killed group's restart, so that group recovers from a running
-    job instead of finding it finished (with --pace the run is sized so this rarely waits; True when it did)."""
-    deadline = time.monotonic() + 120
-    while not (out / f"joining-gen{generation}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)  # its model built and its first quorum asked for, so the next quorum includes it
-    return True
 
 
 if __name__ == "__main__":
