@@ -139,7 +139,7 @@ class ShardedLoader:
             self._drawn = (self.epoch, self.order.draw(self.epoch))
         return self._drawn[1]
 
-    def _plan(self, from_start: bool = False, layout: Layout | None = None) -> list[Batch]:
+    def _plan(self, from_start: bool = False, layout: Layout | None = None, limit: int | None = None) -> list[Batch]:
         layout = layout or self.layout
         epoch = self._draw()
         consumed = 0 if from_start else self.consumed
@@ -157,7 +157,7 @@ class ShardedLoader:
                 f"{self.epoch}; resume with the batch_sampler the saving run used"
             )
         check_epoch(ends, layout, per_worker=self.batch_size, start=start)
-        return replica_batches(epoch.order, ends, consumed, layout, start)
+        return replica_batches(epoch.order, ends, consumed, layout, start, limit)
 
     # -- iterating ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -172,35 +172,38 @@ class ShardedLoader:
             for batch, item in zip(batches, plan):
                 if not self.evaluation:
                     self.consumed = item.end
-                self._stamp, self._weight = next((self.step_state or step_state.active()).batches), item.weight
-                self._unclaimed += 1
-                randomness.set_rows_before(item.rows_before, self.step_state)
-                yield batch
+                yield self._hand_out(batch, item)
         self._weight = ONE
         if not self.evaluation:
             self.epoch, self.consumed = self.epoch + 1, 0
 
     def _iter_steps(self, shares: StepShares) -> Iterator[Any]:
         """Replica groups: one accumulation window at a time, cut over the groups alive at that step. The position
-        moves when the step commits (`step_done`), so a dropped step's global batch is yielded again."""
+        moves when the step commits (`step_done`), so a dropped step's global batch is yielded again. Each step
+        plans its own window only: the groups alive change from step to step."""
         epoch = self.epoch
         self._unclaimed, self._ahead = 0, False
-        while self.epoch == epoch and self._plan():
+        while self.epoch == epoch:
+            if not self._plan(limit=1):  # the epoch's last step committed
+                self.epoch, self.consumed = self.epoch + 1, 0
+                break
             share, count = shares.begin()  # may recover this worker's state from a live group: position included
             if self.epoch != epoch:
                 return  # recovered into a later epoch: that pass continues there
             layout = Layout(share, count, self.layout.grad_accum, self.layout.equal_shares)
-            for item in self._plan(layout=layout)[: layout.grad_accum]:
+            for item in self._plan(layout=layout, limit=layout.grad_accum):
                 loaded = self._load([item])
                 batch = next(iter(loaded if self.timing is None else self.timing.batches(loaded)))
                 self._pending_end = item.end
-                self._stamp, self._weight = next((self.step_state or step_state.active()).batches), item.weight
-                self._unclaimed += 1
-                randomness.set_rows_before(item.rows_before, self.step_state)
-                yield batch
+                yield self._hand_out(batch, item)
         self._weight = ONE
-        if self.epoch == epoch and not self._plan():
-            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def _hand_out(self, batch: Any, item: Batch) -> Any:
+        """`batch`, with what its loss is weighed by and where its rows' random draws start recorded first."""
+        self._stamp, self._weight = next((self.step_state or step_state.active()).batches), item.weight
+        self._unclaimed += 1
+        randomness.set_rows_before(item.rows_before, self.step_state)
+        return batch
 
     def step_done(self, committed: bool) -> None:
         """Replica groups: the step that trained on the batches yielded since the last call committed (the position
@@ -214,7 +217,7 @@ class ShardedLoader:
         batch it weighs the next loss by and the global RNGs a dataset's transform may draw from are as they were.
         What `run.prepare(..., example=loader.peek())` needs; iterating (`next(iter(loader))`) would use it up."""
         self._follow_sampler()
-        plan = self._plan()
+        plan = self._plan(limit=1)
         if not plan:
             raise ParatrainError(f"the loader is at the end of epoch {self.epoch}: nothing to peek at; iterate it "
                                  "once to start the next epoch, or peek before the loop")

@@ -14,6 +14,7 @@ batch changes the arithmetic. The plan is a pure function of the order: no colle
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -119,15 +120,18 @@ def check_epoch(ends: list[int], layout: Layout, *, per_worker: int | None, star
         )
 
 
-def replica_batches(order: list[Any], ends: list[int], consumed: int, layout: Layout, start: int = 0) -> list[Batch]:
-    """This replica's share of every global batch that ends after `consumed`, with its weight."""
+def replica_batches(order: list[Any], ends: list[int], consumed: int, layout: Layout, start: int = 0,
+                    limit: int | None = None) -> list[Batch]:
+    """This replica's share of every global batch that ends after `consumed` (the first `limit` of them), with its
+    weight."""
     r, accum = layout.replicas, layout.grad_accum
     starts = [start, *ends[:-1]]
     sizes = [e - s for s, e in zip(starts, ends)]
-    out = []
-    for i, (lo, hi) in enumerate(zip(starts, ends)):
-        if hi <= consumed:
-            continue
+    out: list[Batch] = []
+    for i in range(bisect.bisect_right(ends, consumed), len(ends)):  # ends grow: the first batch ending after it
+        if limit is not None and len(out) == limit:
+            break
+        lo, hi = starts[i], ends[i]
         shares = split_evenly(order[lo:hi], r)
         share = shares[layout.replica]
         first = i // accum * accum

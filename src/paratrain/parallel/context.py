@@ -307,12 +307,13 @@ def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
                                  "(batch, sequence, ...) to share out")
         length = found[0].shape[1]
         mine = share.layout(length)[0]
-        documents = _documents(model, unmasked, length, args, kwargs)
+        padded = unmasked is not None and _passes_mask(unmasked, args, kwargs)  # the caller gave a padding mask
+        documents = _documents(model, unmasked is not None and not padded, length, args, kwargs)
         args, kwargs = share.cut((args, kwargs), length)
         batch, device = found[0].shape[0], found[0].device
         if kwargs.get("position_ids") is None:
             kwargs["position_ids"] = mine.to(device)[None, :].expand(batch, -1)
-        if unmasked is not None and not _passes_mask(unmasked, args, kwargs):
+        if unmasked is not None and not padded:
             kwargs["attention_mask"] = torch.ones(batch, len(mine), dtype=torch.long, device=device)
         with share.attending(length, documents):
             out = inner(*args, **kwargs)
@@ -376,18 +377,18 @@ def takes_positions(model: nn.Module) -> bool:
         return False
 
 
-def _documents(model: nn.Module, hf: inspect.Signature | None, length: int, args: tuple[Any, ...],
+def _documents(model: nn.Module, hf_unpadded: bool, length: int, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Documents:
     """The documents of this forward's rows (before they are cut): the `document_ids` the model is given, or those
-    a Hugging Face model reads from restarting `position_ids` itself: without a cache and without a padding mask
-    (then it is given ones, and its documents are applied here)."""
+    a Hugging Face model called without a padding mask (`hf_unpadded`) and without a cache reads from restarting
+    `position_ids` itself (it is given ones instead, and its documents are applied here)."""
     given = kwargs.get("document_ids")
     if isinstance(given, torch.Tensor) and given.dim() == 2 and given.shape[1] == length:
         return Documents(given, False)
     positions = kwargs.get("position_ids")
-    if hf is None or not isinstance(positions, torch.Tensor) or positions.shape[-1] != length:
+    if not hf_unpadded or not isinstance(positions, torch.Tensor) or positions.shape[-1] != length:
         return Documents(None, False)
-    if _passes_mask(hf, args, kwargs) or _caches(model, kwargs):
+    if _caches(model, kwargs):
         return Documents(None, False)
     return Documents(packed_documents(positions.expand(_rows(args, kwargs, positions), -1)), True)
 
