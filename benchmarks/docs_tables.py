@@ -245,8 +245,8 @@ def nd_overhead() -> str:
              f"{x['ratio_ci95'][0]:.3f}-{x['ratio_ci95'][1]:.3f}"] for x in d["layouts"]]
     more = []
     for extra in sorted(RESULTS.glob("nd-overhead-*.json"), key=lambda p: json.loads(p.read_text())["created"]):
-        if extra.name.startswith(EP_CP_TWINS):
-            continue  # layouts of their own table (nd_overhead_ep_cp)
+        if extra.name.startswith((EP_CP_TWINS, LISTED_EXPERTS)):
+            continue  # layouts of their own tables (nd_overhead_ep_cp, nd_overhead_listed)
         e = json.loads(extra.read_text())
         for x in e["layouts"]:
             more.append(f"`{x['strategy']}` {x['ratio_of_medians']:.3f} (paired {x['median_paired_ratio']:.3f}, "
@@ -290,6 +290,27 @@ def nd_overhead_ep_cp() -> str:
         f"Source: {_source(rel)}.", "",
         *_table(["layout", "workers", "workload", "hand-written twin", "paratrain s", "hand-written s",
                  "ratio of medians (95% interval)", "median paired ratio"], rows, right=4)])
+
+
+LISTED_EXPERTS = "nd-overhead-ep-listed-"
+"""Runs of `nd_overhead.py --layouts ep:2` after listed experts exchange a block's rows once per forward."""
+
+
+def nd_overhead_listed() -> str:
+    rows = []
+    for path in sorted(RESULTS.glob(f"{LISTED_EXPERTS}*.json"), key=lambda p: json.loads(p.read_text())["created"]):
+        d = json.loads(path.read_text())
+        x = d["layouts"][0]
+        paired = _ratio(x["median_paired_ratio"], x["paired_ci95"], x["steps"])
+        rows.append([d["created"], f"{d['load_average'][0]:.1f}", str(x["steps"]), f"{x['paratrain_median_s']:.4f}",
+                     f"{x['reference_median_s']:.4f}", stats.verdict(paired), _source(path.name)])
+    return "\n".join([
+        "`python benchmarks/nd_overhead.py --layouts ep:2` (gpt-moe, 8 listed experts top-2 per block, beside "
+        "`torch-ep`), each run alternated A B B A in the same workers; the load average is the machine's at the end "
+        "of the run (2 cores: above 2, other jobs shared them).",
+        "Source: " + ", ".join(row[-1] for row in rows) + ".", "",
+        *_table(["created", "load average", "pairs", "paratrain s", "hand-written s", "median paired ratio"],
+                [row[:-1] for row in rows], right=5)])
 
 
 # ---- J: compile on CPU ----------------------------------------------------------------------------------------
@@ -482,6 +503,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "limits": limits,
     "nd-overhead": nd_overhead,
     "nd-overhead-ep-cp": nd_overhead_ep_cp,
+    "nd-overhead-listed": nd_overhead_listed,
     "compile-cpu": compile_cpu,
     "bench-plan": bench_plan,
     "gpu-compile": gpu_compile,

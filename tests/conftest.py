@@ -117,6 +117,23 @@ EXTENDED = {
     # [1-forward-recovery] case runs the same kills, redos and recoveries
     "test_replica_groups.py::test_a_group_killed_in_any_phase_and_again_while_rejoining_ends_exact[5-backward-first-step]",
     "test_replica_groups.py::test_a_group_killed_in_any_phase_and_again_while_rejoining_ends_exact[7-optimizer-recovery]",
+    # tp and pp inside 2 groups of 2 workers, uninterrupted (25-45 s each): the kill cells of the same layouts
+    # (test_a_sharded_group_killed_recovers_each_rank_from_its_counterpart[tp], [pp]) end on the same weights
+    "test_replica_groups.py::test_sharded_groups_train_as_one_process[tp]",
+    "test_replica_groups.py::test_sharded_groups_train_as_one_process[pp]",
+    # fsdp+tp inside 2 groups of 4 workers (10 processes on 2 cores, 50 s): the [fsdp] and [tp] cells run the same
+    # per-rank averaging and recovery of DTensor pieces
+    "test_replica_groups.py::test_sharded_groups_train_as_one_process[fsdp+tp]",
+    "test_replica_groups.py::test_a_sharded_group_killed_recovers_each_rank_from_its_counterpart[fsdp+tp]",
+    # a pipeline beside ddp or fsdp inside 2 groups of 4 workers (40-45 s each): the [pp] kill cell runs the same
+    # stages averaged and recovered rank by rank, the [fsdp] ones the same shards
+    "test_replica_groups.py::test_sharded_groups_train_as_one_process[ddp+pp]",
+    "test_replica_groups.py::test_sharded_groups_train_as_one_process[fsdp+pp]",
+    "test_replica_groups.py::test_a_sharded_group_killed_recovers_each_rank_from_its_counterpart[ddp+pp]",
+    "test_replica_groups.py::test_a_sharded_group_killed_recovers_each_rank_from_its_counterpart[fsdp+pp]",
+    # every fsdp group lost (35-70 s): test_every_group_lost_resumes_from_the_last_checkpoint runs the same resume,
+    # test_a_sharded_group_killed_recovers_each_rank_from_its_counterpart[fsdp] the same shards
+    "test_replica_groups.py::test_every_fsdp_group_lost_resumes_from_the_sharded_checkpoint",
     # whole modules
     "test_resume_layouts.py",  # every layout's checkpoint under every other: test_checkpoint, test_fsdp, test_moe,
     # test_tensor_parallel and test_context_parallel each resume across layouts and world sizes in make test

@@ -26,6 +26,9 @@ LONG, LONG_SEQ = ("rope", "rope-ignored", "llama", "llama-nocache"), 64
 AUX = 0.01
 CLIP, CLIPPED = 0.5, ("user-clip", "mixtral-clip")
 """Models trained with their gradient clipped by the whole model's norm (`run.clip_grad_norm_`)."""
+ADAMW = ("user-adamw",)
+"""Models trained with AdamW (the others with SGD, `optimizer`): the user decoder without the attention's bias, whose
+key part has a gradient that is zero in exact arithmetic, and float noise that Adam would scale to steps of lr."""
 
 
 class Expert(nn.Module):
@@ -199,6 +202,11 @@ def build(name: str) -> nn.Module:
                                                   max_position_embeddings=LONG_SEQ, use_cache=name == "llama"))
     if name in ("user", "user-clip"):
         return Decoder()
+    if name == "user-adamw":
+        model = Decoder()
+        for block in model.blocks:
+            block.qkv.bias = None  # type: ignore[union-attr]
+        return model
     if name == "user-grouped":
         return Decoder(grouped=True)
     if name in ("user-aux", "user-aux-global"):
@@ -238,7 +246,9 @@ def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
     return loss + AUX * aux if aux is not None else loss
 
 
-def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+def optimizer(model: nn.Module, name: str = "") -> torch.optim.Optimizer:
+    if name in ADAMW:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # Adam would turn float noise on the
     # attention key bias (a gradient zero in exact arithmetic) into steps of lr: SGD keeps the comparison on the math
 
@@ -246,7 +256,7 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
 def plain(name: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The same steps in one process: the reference every layout is held to."""
     model = build(name)
-    opt = optimizer(model)
+    opt = optimizer(model, name)
     x, y = data(name)
     losses = []
     for start in range(0, ROWS, GLOBAL_BATCH):

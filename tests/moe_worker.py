@@ -38,7 +38,7 @@ def main() -> None:
         x, y = cases.data(name)
         embedding = next(m for m in model.modules() if isinstance(m, nn.Embedding))
         embedding.register_forward_hook(lambda m, args, out, name=name: tokens.__setitem__(name, args[0].shape[1]))
-        prepared, opt = run.prepare(model, cases.optimizer(model), example=x[: cases.GLOBAL_BATCH])
+        prepared, opt = run.prepare(model, cases.optimizer(model, name), example=x[: cases.GLOBAL_BATCH])
         per_worker = run.per_worker_batch(cases.GLOBAL_BATCH)
         loader = run.prepare_loader(DataLoader(TensorDataset(x, y), batch_size=per_worker))
         losses[name] = []

@@ -1,5 +1,6 @@
 """A small training run for tests/test_replica_groups.py: the same file trains as one process (the reference) or
-as one worker of a replica group, and records what the tests check.
+as one worker of a replica group, and records what the tests check. `--strategy` is the layout inside each group
+(ddp by default; fsdp, tp, pp, fsdp+tp...; `--balance` for a pipeline's split).
 
 Failures it injects on itself, each once (a marker file in --out remembers it):
 
@@ -42,6 +43,8 @@ so the group joins the first one after it is back."""
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--strategy", default="ddp", help="the layout inside each group")
+    parser.add_argument("--balance", default=None, help="a pipeline's balance (pp inside each group)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--global-batch", type=int, default=8)
@@ -56,7 +59,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    run = paratrain.setup(strategy="ddp", seed=3, checkpoint_dir=str(out / "ckpt") if args.save_every else None)
+    layout = {"strategy": args.strategy} | ({"balance": args.balance} if args.balance else {})
+    run = paratrain.setup(**layout, seed=3, checkpoint_dir=str(out / "ckpt") if args.save_every else None)
     groups = run.replica_groups
     group = groups.launch.index if groups is not None else -1
     name = f"group{group}" if groups is not None else "single"
@@ -106,6 +110,8 @@ def main() -> None:
             die("killed")
 
     def on_commit(*_: Any) -> None:  # an optimizer-step pre-hook: the step committed (a dropped one never steps)
+        if now["step"] < 0:  # no batch trained yet: torch's sharded checkpoint load stepping at lr 0 to build state
+            return
         line = {"step": done() - 1, "ids": now["ids"], "t": time.time(), "gen": generation,
                 "groups": groups.manager.num_participants() if groups is not None else 1}
         with open(out / f"steps-{name}-rank{run.rank}.jsonl", "a") as f:
@@ -118,7 +124,8 @@ def main() -> None:
     raw.register_step_pre_hook(on_commit)  # before any other pre-hook: the record is written before a kill
     if victim and run.rank == 0 and generation == 1 and args.rejoin_kill == "recovery":
         model.register_load_state_dict_post_hook(lambda *_: die("killed-again"))  # the live state arriving
-    model, optimizer = run.prepare(model, raw)  # a group that rejoins a running job recovers here
+    example = data.tensors[1][: loader.batch_size]  # tp checks its sharded blocks on it, pp splits by it
+    model, optimizer = run.prepare(model, raw, example=example)  # a group that rejoins a running job recovers here
     recovered = bool(groups is not None and groups.recovered)
     now["recovered_at_start"] = recovered
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
@@ -149,13 +156,25 @@ def main() -> None:
                     time.sleep(FINAL_PACE_S if slow else args.pace)
                     paced += slow
     run.wait_for_save()
-    torch.save(run.unwrap(model).state_dict(), out / f"weights-{name}-rank{run.rank}.pt")
+    weights = whole(run.unwrap(model))
+    torch.save(weights, out / f"weights-{name}-rank{run.rank}.pt")
     report: dict[str, Any] = {"steps": trained, "pid": os.getpid(), "generation": generation,
-                              "resumed": resumed, "paced": paced}
+                              "resumed": resumed, "paced": paced, "held": held(run.unwrap(model)),
+                              "whole": sum(v.numel() for v in weights.values())}
     if groups is not None:
         report |= {"recovered": groups.recovered, "redone": groups.redone}
     (out / f"report-{name}-rank{run.rank}.json").write_text(json.dumps(report))
     run.close()
+
+
+def whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole weights on every rank of its group (FSDP shards and tensor-parallel pieces gathered)."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+
+def held(model: torch.nn.Module) -> int:
+    """The parameter elements this rank holds: less than the whole model's under a sharded layout."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
 
 def _parse_kill(spec: str | None) -> tuple[int, int, str]:

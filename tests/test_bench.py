@@ -630,8 +630,8 @@ def _one_reference_step(names: tuple[str, ...]) -> dict[str, dict[str, torch.Ten
     w = replace(workloads.get("gpt", gpt_size="tiny"), lr=1.0)  # a step as large as the gradient: a wrong one shows
     settings = jobs.Settings(workload="gpt", gpt_size="tiny", batch=8, steps=1, warmup=0, repeat=1, schedule="1f1b")
     built: list[nn.Module] = []
-    build = references._model
-    references._model = lambda *a: built.append(build(*a)) or built[-1]  # type: ignore[assignment]
+    build = references.build_model
+    references.build_model = lambda *a: built.append(build(*a)) or built[-1]  # type: ignore[assignment]
     out = {}
     for name in names:
         spec = jobs.Spec(name, 4, 2 if name.endswith("-pp") else None, "1f1b" if name.endswith("-pp") else None)

@@ -4,8 +4,10 @@
 Each layout's run (tests/moe_worker.py) trains a user MoE decoder (router Linear, top-2 softmax, a ModuleList of
 experts), Hugging Face Mixtral and Qwen2-MoE from tiny configs, the two with a load-balancing loss (the user's
 through `paratrain.global_rows`, Mixtral's own `output_router_logits`) and with the gradient clipped by the whole
-model's norm (`run.clip_grad_norm_`, the experts spread over the ranks) for three SGD steps: losses and exported
-weights equal to one process's (1e-5), each rank holding its share of the experts. Refusals run in this process.
+model's norm (`run.clip_grad_norm_`, the experts spread over the ranks) for three SGD steps (AdamW for
+`user-adamw`): losses and exported weights equal to one process's (1e-5), each rank holding its share of the
+experts. A listed block's rows travel once per forward (tests/test_moe_grouped_calls.py counts the exchanges).
+Refusals run in this process.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from paratrain.parallel.dims import dims_for
 from paratrain.parallel.expert import router_stats
 from paratrain.parallel.expert.apply import Groups, apply_ep
 
-RUNS = (("ep", 2, ("user", "user-grouped", "mixtral", "qwen2_moe", "user-aux-global", "mixtral-aux", "user-clip"), 2),
-        ("fsdp+ep", 4, ("user", "mixtral", "mixtral-aux"), 4),
+RUNS = (("ep", 2, ("user", "user-grouped", "mixtral", "qwen2_moe", "user-aux-global", "mixtral-aux", "user-clip",
+                 "user-adamw"), 2),
+        ("fsdp+ep", 4, ("user", "mixtral", "mixtral-aux", "user-adamw"), 4),
         ("fsdp+ep:2", 4, ("user-aux-global", "qwen2_moe", "user-clip", "mixtral-clip"), 2),
         ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1),
         ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip"), 2),

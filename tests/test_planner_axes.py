@@ -66,7 +66,9 @@ def test_all_to_all_is_a_pairwise_exchange(p: int) -> None:
         _cluster(collectives={"all_to_one": {"alpha_us": 1}})
 
 
-def test_an_expert_layer_pays_its_exchanges_per_expert_call_when_listed_and_per_module_when_grouped() -> None:
+def test_an_expert_layer_pays_one_exchange_per_module_listed_or_grouped() -> None:
+    """Listed experts exchange a block's rows once per forward as grouped ones do (`parallel.expert.listed`): they
+    differ only in what goes first, every rank's expert calls gathered instead of the per-expert counts."""
     c = _cluster()
     dims = ParallelDims(dp_replicate=4, ep=4)
     rows = 2.0
@@ -75,16 +77,16 @@ def test_an_expert_layer_pays_its_exchanges_per_expert_call_when_listed_and_per_
     listed = axes.Step(_profile("listed"), c, dims, "32", rows)
     whole = listed.at(rows)[1]
     _, paid = axes.TERMS[-1].time(listed, 1, whole)
-    per_expert = 4096.0 * rows / 8 * 4  # the owner receives every rank's rows for its expert
-    agree = comm.collective_time(c, "all_gather", 16 * 4, group)
-    assert paid == pytest.approx(8 * (agree + 4 * a2a(per_expert)))
+    experts = listed.profile.layers[1].experts
+    calls = comm.collective_time(c, "all_gather", 8 * (1 + 2 * experts), group)
+    assert paid == pytest.approx(calls + 4 * a2a(4096.0 * rows))  # the calls, rows there and back, both ways
     grouped = axes.Step(_profile("grouped"), c, dims, "32", rows)
     _, paid = axes.TERMS[-1].time(grouped, 1, whole)
-    experts = grouped.profile.layers[1].experts
     assert paid == pytest.approx(a2a(8 * experts) + 4 * a2a(4096.0 * rows))  # per-expert counts, rows there and back
-    # listed calls run in turn: every rank waits for the group's expert work; grouped: the busiest rank's share
+    # both: the busiest rank's share of the rows sets the pace
     (slow, _), (fast, _) = axes.layer_times(listed), axes.layer_times(grouped)
-    assert slow[1].forward > fast[1].forward > whole.forward
+    assert slow[1].forward - fast[1].forward == pytest.approx(calls - a2a(8 * experts))
+    assert fast[1].forward > whole.forward
     assert _profile().imbalance(4) == pytest.approx(16 / 12) and _profile().imbalance(2) == pytest.approx(32 / 24)
 
 
@@ -130,6 +132,96 @@ def test_every_context_rank_pays_the_whole_sequences_loss() -> None:
     charged, _ = axes.TERMS[0].time(lossy, last, lossy.at(lossy.tokens)[last])
     assert charged.forward - plain.forward == pytest.approx(0.01 * (8 - 2))
     assert charged.backward - plain.backward == pytest.approx(0.02 * (8 - 2))
+
+
+def test_fsdp_beside_experts_shards_and_charges_only_the_dense_weights() -> None:
+    """Under fsdp+ep FSDP's units hold a layer's dense weights only (the experts are ep's): its gathers,
+    reduce-scatters and per-unit cost count those bytes, and the experts' bytes change none of them."""
+    prof = _profile()
+    dims = Layout(strategy="fsdp+ep", dp=4, ep=2).dims
+    assert predict.data_parallel_bytes(prof, dims) == [4000.0, 800.0, 800.0, 4000.0]  # 200 dense params a block
+    assert predict.data_parallel_bytes(prof, Layout(strategy="fsdp", dp=4).dims) == [4000.0] * 4
+    unit = {"alpha_us": 100, "beta_s_per_gb": 1e4}  # per unit: 100 us + 10 us per kB
+    c = _cluster(fsdp_unit_overhead=unit)
+    sharded = predict.predict(prof, Layout(strategy="fsdp+ep", dp=4, ep=2), c, 16)
+    assert sharded.overhead_s == pytest.approx(4 * 100e-6 + 1e-5 * (4000 + 800 + 800 + 4000))
+    more = replace(prof, layers=[replace(x, params=x.params + 800, param_bytes=x.param_bytes + 3200,
+                                         expert_params=x.expert_params + 800) if x.experts else x
+                                 for x in prof.layers])
+    again = predict.predict(more, Layout(strategy="fsdp+ep", dp=4, ep=2), c, 16)
+    assert again.overhead_s == pytest.approx(sharded.overhead_s)
+    assert again.memory.params - sharded.memory.params == pytest.approx(2 * 3200 / 2)  # experts / ep, not / fsdp
+
+
+def test_fsdp_hides_behind_the_waits_of_the_expert_exchange_on_cpu_workers() -> None:
+    """On CPU workers FSDP's transfers and per-unit work take their time from compute, except while the rank waits in
+    the experts' exchanges (its core idle); with more workers than cores another worker takes that core."""
+    prof = _profile()
+    unit = {"alpha_us": 2, "beta_s_per_gb": 0}
+    c = _cluster(kind="cpu", overlap=0.0, fsdp_unit_overhead=unit)
+    batch = 256  # rows enough that a micro-step's exchange outlasts FSDP's per-unit work
+    ep, sharded = (predict.predict(prof, Layout(strategy=s, dp=2, ep=2), c, batch) for s in ("ep", "fsdp+ep"))
+    _, waits = axes.layer_times(axes.Step(prof, c, sharded.layout.dims, "32", batch // 2))
+    units = 4 * 2e-6
+    assert waits > units  # the exchange's seconds absorb FSDP's per-unit cost entirely
+    assert sharded.overhead_s == pytest.approx(ep.overhead_s)
+    busy = replace(c, devices_per_node=1, nodes=1)  # 2 workers on 1 core: nothing hides
+    crowded = predict.predict(prof, Layout(strategy="fsdp+ep", dp=2, ep=2), busy, batch)
+    assert crowded.overhead_s == pytest.approx(ep.overhead_s + units)
+    plain = predict.predict(prof, Layout(strategy="fsdp", dp=2), c, 16)  # no exchange to wait in
+    assert plain.overhead_s == pytest.approx(predict.predict(prof, Layout(strategy="ddp", dp=2), c, 16).overhead_s
+                                             + units)
+
+
+def test_the_context_term_gathers_the_logits_unless_the_loss_is_a_token_mean() -> None:
+    """With the default loss every context rank gathers the outputs (batch x sequence x vocabulary values) forward,
+    reduce-scatters their gradient backward, copies them around the exchange and takes the whole sequences' loss; with
+    loss='token_mean' each rank takes its own tokens' loss and none of that happens (outside pipelines)."""
+    prof = replace(_profile(), loss_s=(0.01, 0.02))
+    c = _cluster(device={"peak_tflops": {"32": 100}, "memory_gib": 16, "memory_bandwidth_gbps": 100})
+    dims = ParallelDims(cp=2)
+    last, rows = len(prof.layers) - 1, 8.0
+    whole = prof.layers[last].output_bytes * rows
+    group = comm.context_group(c, 2)
+    gather, scatter = (comm.collective_time(c, k, whole, group) for k in ("all_gather", "reduce_scatter"))
+    copy = 2 * whole / 100e9  # read and write at the memory bandwidth
+    step = axes.Step(prof, c, dims, "32", rows)
+    base = step.at(step.tokens)[last]
+    gathered, paid = axes.TERMS[0].time(step, last, base)
+    assert paid == pytest.approx(gather + scatter)
+    assert gathered.forward - base.forward == pytest.approx(gather + 0.01 * 4 + 2.5 * copy)
+    assert gathered.backward - base.backward == pytest.approx(scatter + 0.02 * 4 + 3 * copy)
+    own = axes.Step(prof, c, dims, "32", rows, loss="token_mean")
+    kept, paid = axes.TERMS[0].time(own, last, base)
+    assert paid == 0.0 and kept == base
+    default, token_mean = (predict.predict(prof, Layout(strategy="cp", cp=2), c, 8, loss=x) for x in
+                           ("any", "token_mean"))
+    assert default.step_s - token_mean.step_s == pytest.approx(gather + scatter + 0.03 * 4 + 5.5 * copy)
+    assert default.memory.buffers - token_mean.memory.buffers == pytest.approx(whole)
+    here = axes.Step(replace(prof, source="measured", copy_s_per_byte=1e-9), replace(c, measured_here=True), dims,
+                     "32", rows)  # the fresh-copy rate measured with the profile, where it was measured
+    timed, _ = axes.TERMS[0].time(here, last, base)
+    assert timed.forward - base.forward == pytest.approx(gather + 0.01 * 4 + 2.5 * whole * 1e-9)
+    piped = ParallelDims(cp=2, pp=2)  # a pipeline's last stage gathers whatever the loss
+    assert axes.gathers_outputs("token_mean", piped) and not axes.gathers_outputs("token_mean", dims)
+
+
+def test_hybrid_sharding_shards_within_a_group_and_averages_the_shards_over_its_replicas() -> None:
+    """`ddp+fsdp 2x2`: the state divides by the 2 shards only; each unit's gradients reduce-scatter within a shard
+    group and its shard all-reduces over the 2 replicas."""
+    prof = _profile()
+    c = _cluster(overlap=0.0)
+    hsdp = predict.predict(prof, Layout(strategy="ddp+fsdp", dp=4), c, 16)
+    fsdp = predict.predict(prof, Layout(strategy="fsdp", dp=4), c, 16)
+    assert hsdp.layout.dims == ParallelDims(dp_replicate=2, dp_shard=2) and hsdp.layout.label == "ddp+fsdp 2x2"
+    assert hsdp.memory.params == pytest.approx(4 * 4000 / 2) and fsdp.memory.params == pytest.approx(4 * 4000 / 4)
+    groups = predict.shards_of(c, hsdp.layout.dims)
+    assert (groups.shards, groups.replicas) == (2, 2)
+    two = comm.Group(2, False)
+    per_unit = (2 * comm.collective_time(c, "all_gather", 4000, two) + comm.collective_time(
+        c, "reduce_scatter", 4000, two) + comm.collective_time(c, "all_reduce", 2000, two))
+    assert hsdp.exposed_comm_s == pytest.approx(
+        4 * per_unit + comm.collective_time(c, "all_reduce", predict.LOSS_BYTES, comm.Group(4, False)))
 
 
 # -- what the search proposes -------------------------------------------------------------------------------------
@@ -192,7 +284,8 @@ def test_the_search_proposes_ep_for_experts_and_cp_for_attention_it_can_share(pr
             if layout.grammar:  # the degrees setup would build from these arguments
                 assert dims_for(layout.strategy, layout.devices, tp_size=kwargs.get("tp_size"),
                                 pp_size=kwargs.get("pp_size"), ep_size=kwargs.get("ep_size"),
-                                cp_size=kwargs.get("cp_size")) == dims, layout.label
+                                cp_size=kwargs.get("cp_size"), dp_replicate=kwargs.get("dp_replicate")) == dims, \
+                    layout.label
     for name, axis in (("moe", "ep"), ("long", "cp")):  # stages of its own blocks (a transformers decoder)
         inside = {x.label for x in _proposed(replace(profiles[name], own_blocks=True), devices=8)
                   if x.pp > 1 and getattr(x, axis) > 1}
@@ -202,6 +295,23 @@ def test_the_search_proposes_ep_for_experts_and_cp_for_attention_it_can_share(pr
     ep = next(x for x in _proposed(profiles["moe"]) if x.strategy == "fsdp+ep" and x.ep == 2)
     assert ep.label == "fsdp+ep 4 (ep=2)" and ep.setup_kwargs(_cluster())["ep_size"] == 2
     assert Layout(strategy="tp+cp", tp=2, cp=2).label == "tp+cp 2x2"
+
+
+def test_the_search_proposes_hybrid_sharding_where_the_runtime_builds_it() -> None:
+    """HSDP (`ddp+fsdp`, beside cp too) wherever the data-parallel ranks make 2 or more replicas of 2 or more shards,
+    as `dims_for` builds them and as the printed `setup` arguments rebuild them."""
+    proposed = [p for p in search.layouts(_profile(), _cluster(), 16, devices=8, optimizer="sgd") if p.fits]
+    labels = {p.layout.label.split(" (")[0] for p in proposed}
+    assert {"ddp+fsdp 2x4", "ddp+fsdp+cp 2x2x2"} <= labels, sorted(labels)
+    for p in proposed:
+        dims = p.layout.dims
+        if dims.dp_replicate > 1 and dims.dp_shard > 1:
+            kwargs = p.layout.setup_kwargs(_cluster())
+            assert dims_for(p.layout.strategy, 8, cp_size=kwargs.get("cp_size"), tp_size=kwargs.get("tp_size"),
+                            ep_size=kwargs.get("ep_size"), dp_replicate=kwargs.get("dp_replicate")) == dims
+    assert not [p for p in search.layouts(_profile(), _cluster(), 16, devices=2) if p.layout.strategy == "ddp+fsdp"]
+    assert not [p for p in search.layouts(_profile(), _cluster(), 16, devices=8, strategies=["fsdp"])
+                if "ddp" in p.layout.strategy]
 
 
 class _Masked(nn.Module):

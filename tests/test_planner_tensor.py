@@ -112,14 +112,14 @@ def test_every_tensor_layout_the_search_offers_is_one_setup_accepts_with_the_sam
     prof, c = _profile(), _cluster()
     found = search.layouts(prof, c, 16, devices=8, optimizer="sgd")
     tensor = [p.layout for p in found if p.layout.tp > 1]
-    assert {x.strategy for x in tensor} == {"ddp+tp", "fsdp+tp", "tp+pp", "ddp+tp+pp", "fsdp+tp+pp"}
+    assert {x.strategy for x in tensor} == {"ddp+tp", "fsdp+tp", "ddp+fsdp+tp", "tp+pp", "ddp+tp+pp", "fsdp+tp+pp"}
     assert {x.tp for x in tensor} == {2, 4}  # 8 would leave the node of 4
     for layout in tensor:
         kwargs = layout.setup_kwargs(c)
         make_config(kwargs)
         dims = dims_for(layout.strategy, layout.devices, tp_size=kwargs.get("tp_size"),
-                        pp_size=kwargs.get("pp_size"))
-        assert (dims.dp, dims.tp, dims.pp) == (layout.dp, layout.tp, layout.pp), layout.label
+                        pp_size=kwargs.get("pp_size"), dp_replicate=kwargs.get("dp_replicate"))
+        assert dims == layout.dims, layout.label
     assert Layout(strategy="ddp+tp+pp", dp=2, tp=2, pp=2, schedule="1f1b", microbatches=4).label == \
         "ddp+tp+pp 2x2x2 (1f1b, M=4)"
 

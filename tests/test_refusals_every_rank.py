@@ -67,7 +67,7 @@ def _run(case: str) -> tuple[str, str]:
     from paratrain import api
 
     one = int(os.environ["RANK"]) == 1
-    patched = {"prepare before DDP": "apply_layout_dropout", "prepare after DDP": "rebind"}.get(case)
+    patched = {"prepare before DDP": "RandomCalls", "prepare after DDP": "rebind"}.get(case)
     saved = getattr(api, patched) if patched else None
     if one and patched:
         setattr(api, patched, _refuse)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import runpy
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,8 +24,9 @@ from helpers import ROOT, max_diff, paratrain
 
 from paratrain import strategies
 from paratrain.config import make_config
+from paratrain.data.plan import Layout
 from paratrain.errors import ParatrainError
-from paratrain.faults.replica_groups import check_strategy
+from paratrain.faults.replica_groups import _check_equal_shares, check_strategy
 from paratrain.launcher import lighthouse
 from paratrain.runtime import ReplicaGroupLaunch, free_port, read_replica_group
 
@@ -181,12 +184,130 @@ def test_every_group_lost_resumes_from_the_last_checkpoint(tmp_path: Path, refer
     _each_sample_once([r for r in records if r["gen"] == newest[r["step"]]], epochs=3)
 
 
+# -- sharded layouts inside each group ----------------------------------------------------------------------------
+SHARDED: dict[str, tuple[tuple[str, ...], int, tuple[int, ...]]] = {
+    "fsdp": (("--strategy", "fsdp"), 2, (0, 1)), "tp": (("--strategy", "tp"), 2, (0,)),
+    "pp": (("--strategy", "pp", "--balance", "equal"), 2, (0,)), "fsdp+tp": (("--strategy", "fsdp+tp"), 4, (0, 2)),
+    "ddp+pp": (("--strategy", "ddp+pp", "--balance", "equal"), 4, (0, 1)),
+    "fsdp+pp": (("--strategy", "fsdp+pp", "--balance", "equal"), 4, (0, 1))}
+"""Layouts inside a group whose ranks each hold a piece of the model: FSDP2 shards (HSDP across groups),
+tensor-parallel pieces, pipeline stages, both FSDP and tensor parallelism. Rank l of every group averages its
+pieces' gradients with rank l of the others, and a restarted rank copies its pieces from rank l of a live group.
+Each: the script's flags, the workers a group, the ranks that load rows of their own (the others share them)."""
+
+
+def _sharded_weights_match(out: Path, reference: Reference, args: tuple[str, ...], layout: str) -> None:
+    """Every rank of both groups ends with the reference's weights (under a pipeline: its stage's, the stages
+    together the whole model), and held only a piece of the model."""
+    want = reference(*args)
+    for group in (0, 1):
+        stages: dict[str, torch.Tensor] = {}
+        for rank in range(SHARDED[layout][1]):
+            report = _report(out, group, rank)
+            weights = torch.load(out / f"weights-group{group}-rank{rank}.pt")
+            if "pp" in layout.split("+"):  # a stage's weights: the same on each of its data-parallel ranks
+                assert all(max_diff({k: v}, {k: stages.get(k, v)}) < 1e-6 for k, v in weights.items())
+                stages |= weights
+                continue
+            assert report["held"] < report["whole"], report  # no rank held the whole model
+            assert max_diff(weights, want) < 1e-6
+        if stages:
+            assert max_diff(stages, want) < 1e-6
+
+
+def _rows(out: Path, layout: str) -> list[dict[str, Any]]:
+    """The committed steps' records of every worker that loads rows of its own (the ranks of one tensor-parallel
+    group or one pipeline load the same rows: the first one's stand for them)."""
+    return [r for group in (0, 1) for rank in SHARDED[layout][2] for r in _committed(out, group, rank)]
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("layout", SHARDED)
+def test_sharded_groups_train_as_one_process(tmp_path: Path, reference: Reference, layout: str) -> None:
+    """Two groups of two workers, each group laying the model out over its ranks: the plain loop's weights."""
+    args = ("--samples", str(SAMPLES), "--global-batch", str(BATCH))
+    flags, nproc, _ = SHARDED[layout]
+    _groups(tmp_path, args=(*args, *flags), nproc=nproc)
+    _sharded_weights_match(tmp_path, reference, args, layout)
+    assert all(_report(tmp_path, g, r)["redone"] == 0 for g in (0, 1) for r in range(nproc))
+    _each_sample_once(_rows(tmp_path, layout), epochs=2)
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("layout", SHARDED)
+def test_a_sharded_group_killed_recovers_each_rank_from_its_counterpart(tmp_path: Path, reference: Reference,
+                                                                       layout: str) -> None:
+    """Group 1's rank 0 dies after the backward of step 6: group 0 redoes the step alone (all 12 rows), group 1
+    restarts, and each of its ranks copies its own pieces (the model and optimizer state of its shard or stage)
+    from the same rank of group 0. Both groups end with the uninterrupted run's weights; the committed steps' rows
+    make each global batch once."""
+    args = ("--samples", str(SAMPLES), "--global-batch", str(BATCH))
+    flags, nproc, _ = SHARDED[layout]
+    log = _groups(tmp_path, ("--max-restarts", "1"), (*args, *flags, "--kill", "1@6"), nproc=nproc)
+    assert (tmp_path / "killed").exists(), log[-5000:]
+    for rank in range(nproc):
+        survivor, restarted = _report(tmp_path, 0, rank), _report(tmp_path, 1, rank)
+        assert _pids(tmp_path, 0, rank) == [str(survivor["pid"])]
+        assert len(_pids(tmp_path, 1, rank)) == 2
+        assert survivor["redone"] >= 1 and survivor["recovered"] == 0, (survivor, restarted, log[-5000:])
+        assert restarted["recovered"] == 1 and restarted["steps"] < survivor["steps"], (survivor, restarted)
+    _sharded_weights_match(tmp_path, reference, args, layout)
+    _each_sample_once(_rows(tmp_path, layout), epochs=2)
+
+
+@pytest.mark.procs
+def test_every_fsdp_group_lost_resumes_from_the_sharded_checkpoint(tmp_path: Path, reference: Reference) -> None:
+    """fsdp inside 2 groups of 2 workers, every worker killed in the forward of step 14, group 0 checkpointing its
+    shards every 4 steps: no live group is left, each group's ranks load their shards of the same newest checkpoint
+    (torchft's step is not in it: every manager starts again at 0 together) and all end with the uninterrupted
+    run's weights; the steps trained again count once."""
+    args = ("--samples", str(SAMPLES), "--global-batch", str(BATCH))
+    log = _groups(tmp_path, ("--max-restarts", "1"),
+                  (*args, *SHARDED["fsdp"][0], "--kill-all", "14", "--save-every", "4"), nproc=2)
+    reports = [_report(tmp_path, group, rank) for group in (0, 1) for rank in (0, 1)]
+    resumed = {report["resumed"] for report in reports}
+    assert len(resumed) == 1 and next(iter(resumed)) in (4, 8, 12), (reports, log[-5000:])
+    assert all(r["generation"] == 1 and r["recovered"] == 0 for r in reports), reports
+    _sharded_weights_match(tmp_path, reference, args, "fsdp")
+    records = _rows(tmp_path, "fsdp")
+    newest: dict[int, int] = {}
+    for record in records:
+        newest[record["step"]] = max(newest.get(record["step"], 0), record["gen"])
+    _each_sample_once([r for r in records if r["gen"] == newest[r["step"]]], epochs=2)
+
+
 # -- refusals -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["pp", "tp", "fsdp", "mp"])
-def test_a_strategy_without_whole_replicas_is_refused_by_name(name: str) -> None:
-    with pytest.raises(ParatrainError, match=f"strategy='{name}' with --replica-groups 2: .*use strategy='ddp'"):
-        check_strategy(strategies.get(name), make_config({"strategy": name}), LAUNCH)
-    check_strategy(strategies.get("ddp"), make_config({"strategy": "ddp"}), LAUNCH)
+@pytest.mark.parametrize(("name", "why"), [
+    ("mp", "a pipeline over one process's devices"), ("ddp+mp", "a pipeline over one process's devices"),
+    ("cp", "context parallelism"), ("fsdp+cp", "context parallelism"), ("ep", "the experts. router statistics"),
+    ("fsdp+ep", "the experts. router statistics")])
+def test_a_layout_not_built_inside_groups_is_refused_by_name(name: str, why: str) -> None:
+    strategy = strategies.get(name)
+    with pytest.raises(ParatrainError, match=f"strategy='{re.escape(strategy.name)}' with --replica-groups 2: {why}.*"
+                                             "use strategy='ddp' or 'fsdp' inside each group"):
+        check_strategy(strategy, make_config({"strategy": name}), LAUNCH)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "fsdp+tp", "ddp+fsdp", "single"])
+def test_layouts_whose_ranks_each_hold_one_piece_run_inside_groups(name: str) -> None:
+    check_strategy(strategies.get(name), make_config({"strategy": name}), LAUNCH)
+
+
+def test_a_pipeline_inside_groups_needs_a_split_every_group_makes_alike() -> None:
+    """A measured balance could cut two groups' models at different layers: refused; a given one runs."""
+    with pytest.raises(ParatrainError, match="balance='time': each group would measure its own stage split.*"
+                                             "balance='equal'"):
+        check_strategy(strategies.get("pp"), make_config({"strategy": "pp"}), LAUNCH)
+    check_strategy(strategies.get("pp"), make_config({"strategy": "pp", "balance": "equal"}), LAUNCH)
+    check_strategy(strategies.get("fsdp+pp"), make_config({"strategy": "fsdp+pp", "balance": [2, 1]}), LAUNCH)
+
+
+def test_a_pipeline_global_batch_must_split_over_any_number_of_live_groups() -> None:
+    loader = SimpleNamespace(layout=Layout(0, 1, 1, equal_shares=True), global_batch=8)
+    with pytest.raises(ParatrainError, match="global batch 8 .* cannot be cut into 3 equal shares .* multiple of 6"):
+        _check_equal_shares(loader, 3)  # type: ignore[arg-type]
+    _check_equal_shares(SimpleNamespace(layout=Layout(0, 1, 1, equal_shares=True), global_batch=12), 3)  # type: ignore[arg-type]
+    _check_equal_shares(SimpleNamespace(layout=Layout(0, 1, 1), global_batch=8), 3)  # type: ignore[arg-type]
 
 
 def test_fp16_loss_scaling_is_refused() -> None:

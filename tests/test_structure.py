@@ -27,7 +27,7 @@ def test_import_loads_no_strategy_module_until_one_is_asked_for() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     before, after = out.stdout.splitlines()
     assert before == "[]"  # `import paratrain` imports neither strategies nor torch (see the next test)
-    assert after == "['paratrain.strategies.base', 'paratrain.strategies.pp']"
+    assert after == "['paratrain.strategies.base', 'paratrain.strategies.nd']"  # pp: one axis of the grammar
 
 
 @pytest.mark.procs
@@ -50,6 +50,27 @@ def test_one_table_lists_every_strategy_the_config_accepts() -> None:
         assert strategy.name == name
         for member in ("needs_process_group", "sharded_state", "microbatched", "scheduled", "comm_hooks"):
             assert isinstance(getattr(strategy, member), bool), (name, member)
+        assert isinstance(strategy.axes, tuple) and strategy.in_process in (None, "stages", "replicas"), name
+        assert not hasattr(strategy, "wrap"), name  # every layout is built by parallel.parallelize alone
+
+
+def test_one_build_path_and_the_planner_asks_the_strategy_its_facts() -> None:
+    from paratrain.planner.layout import Layout
+
+    assert [strategies.TABLE[n] for n in ("ddp", "fsdp", "pp")] == ["nd"] * 3  # the grammar's one-axis layouts
+    for name, processes, pipelined, scheduled in (("mp", 1, True, False), ("pp", 2, True, True),
+                                                  ("ddp", 2, False, False), ("fsdp+tp", 4, False, False)):
+        layout = Layout(strategy=name, dims=strategies.get(name).degrees(_config(name), processes)) if name != "mp" \
+            else Layout(strategy=name, pp=2)
+        assert (layout.processes, layout.pipelined, layout.scheduled) == (processes, pipelined, scheduled), name
+    assert Layout(strategy="ddp", dp=2).grammar is False and Layout(strategy="ddp+tp", dp=2, tp=2).grammar is True
+    assert "DEVICES_OF_ONE_PROCESS" not in (SRC / "planner" / "layout.py").read_text()  # no name list of a fact
+
+
+def _config(name: str) -> object:
+    from paratrain.config import make_config
+
+    return make_config({"strategy": name, **({"tp_size": 2} if "tp" in name else {})})
 
 
 def test_no_strategy_module_imports_another() -> None:
@@ -228,3 +249,16 @@ def test_no_import_circle_in_the_library() -> None:
     for name in sorted(edges):
         if name not in state:
             visit(name, [])
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A private name stays in its module: one that two modules need is public in one of them (the bench's
+    references share `build_model`, `train_loop`, `share_rows`). Private modules (`_forwards`) are imported whole."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1 and node.module is not None:
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private and not node.module.split(".")[-1].startswith("_"):
+                    found.append(f"{path.relative_to(SRC)}: from {node.module} import {', '.join(private)}")
+    assert not found, found

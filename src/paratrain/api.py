@@ -30,14 +30,13 @@ from .faults.replica_groups import ReplicaGroups, check_strategy
 from .memstats import give_back_freed
 from .observe import Breakdown, MetricLog, StragglerWatch
 from .parallel.expert.router_stats import Rows
-from .parallel.expert.router_stats import install as watch_router_statistics
 from .parallel.microbatch import batch_size
+from .parallel.parallelize import parallelize
 from .parallel.random_calls import RandomCalls
-from .parallel.random_calls import watch as watch_random_calls
-from .parallel.randomness import apply_layout_dropout, set_rows_before, set_seed
+from .parallel.randomness import set_rows_before, set_seed
 from .parallel.step_state import StepState, activate
 from .parallel.step_state import active as active_state
-from .precision import apply_autocast, make_scaler
+from .precision import make_scaler
 from .step import PreparedOptimizer, Step, rebind
 from .strategies.base import Context, LossFn, Strategy
 
@@ -164,23 +163,19 @@ class Run:
             weights.materialize(model, source, self.device, everything=init_from is not None)
             meta = False  # whole on this rank, as the layout holds it
         before = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
-        apply_layout_dropout(model)
         replica, replicas = self.strategy.data_shard(self.ctx)  # what a forward sees, for router statistics
         parts = self.config.grad_accum * (2 if self.strategy.microbatched else 1)
         self.step.state.rows = Rows(replica, replicas, parts, self.ctx.dims.replica_groups())
-        watch_router_statistics(model)
         self.step.state.random_calls = calls = RandomCalls(model)
         if meta and source is not None:  # split on the meta device, then this rank's share made real
             with weights.sourced(model, source, self.device):  # a forward while splitting: weights.streamed
-                wrapped = self.strategy.wrap(model, self.ctx, example)
+                wrapped = parallelize(model, self.strategy, self.ctx, example, calls, self.print)
             replaced = weights.materialize(self.strategy.unwrap(wrapped), source, self.device)
             weights.settle(wrapped, replaced)
             give_back_freed()
         else:
-            wrapped = self.strategy.wrap(model, self.ctx, example)
+            wrapped = parallelize(model, self.strategy, self.ctx, example, calls, self.print)
         self._built.append((wrapped, model))
-        wrapped = watch_random_calls(wrapped, calls, self.config.compiling, self.print)
-        wrapped = apply_autocast(wrapped, self.config.precision, self.device.type)
         self.step.track(wrapped)
         self.timing.track(wrapped)
         self._metrics.start(None, self.step.count)  # step time and rates count from here, not from setup

@@ -56,7 +56,8 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
     return torch.autocast(device.type, dtype=_DTYPES[precision])
 
 
-def _model(workload: Workload, settings: Settings) -> nn.Module:
+def build_model(workload: Workload, settings: Settings) -> nn.Module:
+    """The workload's model with the bench's seed: every reference starts from paratrain's initial weights."""
     torch.manual_seed(SEED)
     model = workload.model()
     return model.to(memory_format=torch.channels_last) if settings.channels_last else model
@@ -126,9 +127,9 @@ def sum_tied_grads(first: nn.Module, second: nn.Module, pairs: list[tuple[str, s
         b.grad.copy_(total.to(b.device))
 
 
-def _loop(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: nn.Module,
-          optimizer: optim.Optimizer, device: torch.device, precision: str,
-          after_backward: Callable[[], None] | None = None) -> Step:
+def train_loop(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: nn.Module,
+               optimizer: optim.Optimizer, device: torch.device, precision: str,
+               after_backward: Callable[[], None] | None = None) -> Step:
     scaler = torch.amp.GradScaler(device.type) if precision == "16" else None
 
     def step() -> None:
@@ -159,24 +160,25 @@ def _compiled(model: nn.Module, settings: Settings) -> nn.Module:
 
 def torch_ddp(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model(workload, settings).to(device)
+    model = build_model(workload, settings).to(device)
     ddp_model = DDP(_compiled(model, settings), device_ids=[device.index] if device.type == "cuda" else None)
     share = settings.batch // world
     inputs = _inputs(data[0][rank * share:(rank + 1) * share], device, settings)
     labels = data[1][rank * share:(rank + 1) * share].to(device)
     optimizer = optim.SGD(ddp_model.parameters(), lr=workload.lr)
-    return _loop(ddp_model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
+    return train_loop(ddp_model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
 
 
 def no_comm(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
     """torch-ddp without DDP: each rank's share of the work and none of the communication."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model(workload, settings).to(device)
+    model = build_model(workload, settings).to(device)
     share = settings.batch // world
     inputs = _inputs(data[0][rank * share:(rank + 1) * share], device, settings)
     labels = data[1][rank * share:(rank + 1) * share].to(device)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
-    return _loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device, settings.precision)
+    return train_loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device,
+                      settings.precision)
 
 
 def one_worker(workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
@@ -184,10 +186,11 @@ def one_worker(workload: Workload, data: Batch, settings: Settings, device: torc
     on rank 0, the plain loop. The other ranks' step does nothing, so rank 0 computes alone, as one worker."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return lambda: None
-    model = _model(workload, settings).to(device)
-    inputs, labels = _share(data, 0, 1, device, settings)
+    model = build_model(workload, settings).to(device)
+    inputs, labels = share_rows(data, 0, 1, device, settings)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
-    return _loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device, settings.precision)
+    return train_loop(_compiled(model, settings), inputs, labels, workload.loss(), optimizer, device,
+                      settings.precision)
 
 
 def _tensor_parallel(model: nn.Module, workload: Workload, tp_mesh: Any) -> None:
@@ -212,7 +215,7 @@ def _fully_shard(model: nn.Module, dp_mesh: Any) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
-def _share(data: Batch, index: int, count: int, device: torch.device, settings: Settings) -> Batch:
+def share_rows(data: Batch, index: int, count: int, device: torch.device, settings: Settings) -> Batch:
     """Data-parallel replica `index` of `count`: its rows of the global batch."""
     share = settings.batch // count
     rows = slice(index * share, (index + 1) * share)
@@ -235,14 +238,14 @@ def torch_data_tensor(spec: Spec, workload: Workload, data: Batch, settings: Set
     world = dist.get_world_size()
     tp = {"torch-fsdp": 1, "torch-tp": world}.get(spec.strategy, TENSOR_DEGREE)
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    model = _model(workload, settings).to(device)
+    model = build_model(workload, settings).to(device)
     if tp > 1:
         _tensor_parallel(model, workload, mesh["tp"])
     if world // tp > 1:
         _fully_shard(model, mesh["dp"])
-    inputs, labels = _share(data, mesh.get_local_rank("dp"), world // tp, device, settings)
+    inputs, labels = share_rows(data, mesh.get_local_rank("dp"), world // tp, device, settings)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
-    return _loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
+    return train_loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision)
 
 
 class PipelineParallel(nn.Module):
@@ -272,14 +275,14 @@ class PipelineParallel(nn.Module):
 def torch_pipeline(spec: Spec, workload: Workload, data: Batch, settings: Settings, device: torch.device) -> Step:
     assert spec.devices is not None and spec.microbatches is not None
     dev1, dev2 = spec.devices[0], spec.devices[-1]
-    seq1, seq2 = cut(_model(workload, settings), 2, workload.split, workload.layers)
+    seq1, seq2 = cut(build_model(workload, settings), 2, workload.split, workload.layers)
     tied = untie(seq1, seq2) if torch.device(dev1) != torch.device(dev2) else []  # one device: the tie stays
     model = PipelineParallel(seq1, seq2, dev1, dev2, split_size=settings.batch // spec.microbatches)
     optimizer = optim.SGD(model.parameters(), lr=workload.lr)
     inputs = _inputs(data[0], torch.device(dev1), settings)
     labels = data[1].to(dev2)
-    return _loop(model, inputs, labels, workload.loss(), optimizer, torch.device(dev2), settings.precision,
-                 after_backward=(lambda: sum_tied_grads(model.seq1, model.seq2, tied)) if tied else None)
+    return train_loop(model, inputs, labels, workload.loss(), optimizer, torch.device(dev2), settings.precision,
+                      after_backward=(lambda: sum_tied_grads(model.seq1, model.seq2, tied)) if tied else None)
 
 
 class _Autocast(nn.Module):
@@ -351,7 +354,7 @@ def _tied_names(pieces: list[nn.Sequential], mine: int) -> list[str]:
 def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Settings,
                      device: torch.device) -> Step:
     rank, stages = dist.get_rank(), dist.get_world_size()
-    pieces = cut(_model(workload, settings), stages, workload.split, workload.layers)
+    pieces = cut(build_model(workload, settings), stages, workload.split, workload.layers)
     tied: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
     for owners, shared in shared_across(pieces):
         group = dist.new_group(list(owners))  # every rank creates every group, in the same order
@@ -361,7 +364,7 @@ def torch_pipelining(spec: Spec, workload: Workload, data: Batch, settings: Sett
     part: nn.Module = pieces[rank].to(device)
     if settings.precision in _DTYPES:
         part = _Autocast(part, device, settings.precision)
-    batch = _share(data, 0, 1, device, settings)
+    batch = share_rows(data, 0, 1, device, settings)
     return _scheduled(spec, workload, batch, settings, device, part, rank, stages, None, tied)
 
 
@@ -380,7 +383,7 @@ def torch_nd_pipelining(spec: Spec, workload: Workload, data: Batch, settings: S
     world, pp = dist.get_world_size(), PIPELINE_DEGREE
     tp = TENSOR_DEGREE if spec.strategy == "torch-tp-pp" else 1
     mesh = init_device_mesh(device.type, (pp, world // (pp * tp), tp), mesh_dim_names=("pp", "dp", "tp"))
-    model = _model(workload, settings).to(device)
+    model = build_model(workload, settings).to(device)
     if tp > 1:
         _tensor_parallel(model, workload, mesh["tp"])
     pieces = cut(model, pp, workload.split, workload.layers)
@@ -393,7 +396,7 @@ def torch_nd_pipelining(spec: Spec, workload: Workload, data: Batch, settings: S
 
         fully_shard(part, mesh=mesh["dp"])
     tied = [(mesh.get_group("pp"), [piece.get_parameter(n) for n in tied_names])] if tied_names else []
-    batch = _share(data, dp_rank, dp, device, settings)
+    batch = share_rows(data, dp_rank, dp, device, settings)
     replicas = mesh.get_group("dp") if spec.strategy == "torch-ddp-pp" else None
     return _scheduled(spec, workload, batch, settings, device, part, pp_rank, pp, mesh.get_group("pp"), tied,
                       replicas)

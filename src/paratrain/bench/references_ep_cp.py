@@ -39,7 +39,7 @@ from ..errors import ParatrainError
 from ..measure import gpt as gpt_model
 from ..measure.workloads import Batch, Workload
 from .jobs import Settings, Spec
-from .references import Step, _loop, _model, _share
+from .references import Step, build_model, share_rows, train_loop
 
 
 def _world() -> dist.ProcessGroup:
@@ -181,7 +181,7 @@ def torch_ep(spec: Spec, workload: Workload, data: Batch, settings: Settings, de
     if ep < 2 or world % ep:
         raise ParatrainError(f"torch-ep: ep_size {ep} must be at least 2 and divide the {world} workers")
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("ep_replicas", "ep"))
-    model = _model(workload, settings).to(device)
+    model = build_model(workload, settings).to(device)
     experts = expert_parallel(model, mesh.get_group("ep"), mesh.get_local_rank("ep"), ep)
     own = {id(p) for p in experts}
     shared = [p for p in model.parameters() if id(p) not in own]
@@ -191,9 +191,10 @@ def torch_ep(spec: Spec, workload: Workload, data: Batch, settings: Settings, de
         _average(shared, _world(), world)
         _average(experts, replicas, world)
 
-    inputs, labels = _share(data, dist.get_rank(), world, device, settings)
+    inputs, labels = share_rows(data, dist.get_rank(), world, device, settings)
     optimizer = torch.optim.SGD(model.parameters(), lr=workload.lr)
-    return _loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision, after_backward=reduce)
+    return train_loop(model, inputs, labels, workload.loss(), optimizer, device, settings.precision,
+                      after_backward=reduce)
 
 
 def shares(length: int, size: int, rank: int) -> torch.Tensor:
@@ -255,10 +256,10 @@ def torch_cp(spec: Spec, workload: Workload, data: Batch, settings: Settings, de
     """Context parallelism over every worker: each holds the whole global batch's rows, its share of every
     sequence, and the gradients average over the group."""
     world = dist.get_world_size()
-    model = _model(workload, settings).to(device)
-    inputs, labels = _share(data, 0, 1, device, settings)
+    model = build_model(workload, settings).to(device)
+    inputs, labels = share_rows(data, 0, 1, device, settings)
     mine = context_parallel(model, _world(), dist.get_rank(), world, inputs.shape[1]).to(device)
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=workload.lr)
-    return _loop(WithPositions(model, mine), inputs[:, mine], labels[:, mine], workload.loss(), optimizer, device,
-                 settings.precision, after_backward=lambda: _average(params, _world(), world))
+    return train_loop(WithPositions(model, mine), inputs[:, mine], labels[:, mine], workload.loss(), optimizer, device,
+                      settings.precision, after_backward=lambda: _average(params, _world(), world))

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ..errors import ParatrainError
 from ..parallel import randomness, step_state
 from . import indexed
-from .order import Epoch, _numpy, read_order
+from .order import Epoch, numpy_or_none, read_order
 from .plan import ONE, Batch, Layout, Weight, batch_ends, check_epoch, evaluation_batches, replica_batches
 
 
@@ -222,7 +222,7 @@ class ShardedLoader:
             raise ParatrainError(f"the loader is at the end of epoch {self.epoch}: nothing to peek at; iterate it "
                                  "once to start the next epoch, or peek before the loop")
         dataset, indices = self.loader.dataset, plan[0].indices
-        np = _numpy()
+        np = numpy_or_none()
         py_state, np_state = random.getstate(), np.random.get_state() if np is not None else None
         try:
             with torch.random.fork_rng(devices=[]):

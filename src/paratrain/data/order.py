@@ -179,7 +179,7 @@ def _seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
     owners = [s for s in parts if isinstance(getattr(s, "generator", None), torch.Generator)]
     saved = [s.generator for s in owners]
     py_state = random.getstate()
-    np = _numpy()
+    np = numpy_or_none()
     np_state = np.random.get_state() if np is not None else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -201,7 +201,8 @@ def _seeded(sampler: Any, seed: int, epoch: int) -> Iterator[None]:
                 np.random.set_state(np_state)
 
 
-def _numpy() -> Any:
+def numpy_or_none() -> Any:
+    """NumPy where it is installed: its global generator is part of what a sampler may draw from."""
     try:
         import numpy
     except ImportError:

@@ -1,16 +1,20 @@
 """Replica groups in the worker: gradients averaged between groups by torchft, each step only among the living.
 
-Inside a group the strategy runs as it does alone (DDP over the group's N workers). Between groups, torchft's
-`Manager` holds a fault-tolerant gloo process group that it rebuilds whenever the set of live groups changes.
+Inside a group the strategy runs as it does alone (DDP over the group's N workers, or FSDP2 shards, tensor-parallel
+pieces, pipeline stages: `check_strategy`). Every group lays the model out alike, so rank l of each holds the same
+piece and the work between groups is per rank (faults/shards.py). Between groups, torchft's `Manager` holds a
+fault-tolerant gloo process group of rank l of every group, rebuilt whenever the set of live groups changes.
 One optimizer step, on every worker of every group:
 
     loader: begin()  ── the step's quorum (lighthouse): P live groups, this group's place r among them;
                         a group that is behind first copies a live group's state (model, optimizer, loader
                         position, micro-step, RNG): torchft's live recovery, no disk read
-            rows     ── the global batch cut into P*N shares; this worker takes share r*N + l, weighted so
-                        that the average over all P*N shares is the global batch's mean (data/plan.py)
-    backward         ── DDP averages over the group's N workers
-    optimizer.step(): reduce()  ── Manager.allreduce: the average over the P groups (one flat buffer per dtype)
+            rows     ── the global batch cut into P*D shares (D the group's data-parallel ranks); this worker takes
+                        share r*D + d, weighted so that the average over all P*D shares is the global batch's
+                        mean (data/plan.py)
+    backward         ── DDP averages over the group's workers (FSDP2 reduce-scatters to each rank's shard)
+    optimizer.step(): reduce()  ── Manager.allreduce: this rank's gradient pieces averaged over the P groups (one
+                                   flat buffer per dtype)
                       commit()  ── should_commit: the step is applied only if the whole reduction succeeded;
                                    otherwise the gradients are dropped and the loader yields the same global
                                    batch again, cut over whoever is alive then
@@ -22,6 +26,7 @@ peer is SIGKILLed; the Manager's allreduce / should_commit reports the failure i
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,6 +40,7 @@ from ..checkpoint import rng
 from ..errors import ParatrainError
 from ..launcher.lighthouse import INSTALL, require_torchft, wait_until_reachable
 from ..runtime import Placement, ReplicaGroupLaunch
+from . import shards
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -51,19 +57,69 @@ training without them (they join later, recovering from a live group)."""
 _POLL_S = 0.1
 
 
+WHOLE = ("single", "dp", "ddp")
+"""Layouts whose every rank holds a whole replica."""
+INSIDE_AXES = ("ddp", "fsdp", "tp", "pp")
+"""Axes of a layout inside a group whose ranks each average their own pieces with the same rank of the other
+groups: replicas, FSDP shards (HSDP across groups), tensor-parallel pieces and pipeline stages."""
+MEASURED_BALANCE = ("time", "memory")
+"""Pipeline balances each group would measure on its own: two groups could cut the model at different layers."""
+NOT_BUILT = {
+    "mp": "a pipeline over one process's devices is not built for replica groups",
+    "cp": "context parallelism inside a group is not built for replica groups",
+    "ep": "the experts' router statistics would be reduced over one group's rows, not the global batch's",
+}
+"""Why a layout (a preset, or a word of the grammar) cannot run inside a replica group."""
+
+
 def check_strategy(strategy: Strategy, config: Config, launch: ReplicaGroupLaunch) -> None:
-    """Replica groups average whole gradients between groups: each rank must hold its model's whole gradient."""
-    if strategy.sharded_state or strategy.microbatched:
+    """Each rank averages its own gradient pieces with the same rank of the other groups: the layout inside a group
+    must give every rank one whole replica or one fixed piece of it (ddp, fsdp, tp, pp and their mixes)."""
+    reason = _not_built(strategy.name)
+    if reason is not None:
         raise ParatrainError(
-            f"strategy={strategy.name!r} with --replica-groups {launch.count}: replica groups average whole "
-            f"gradients between groups, but {strategy.name!r} splits the model over its ranks (no rank holds a "
-            "whole replica); use strategy='ddp' inside each group (or 'single' with --nproc 1)"
+            f"strategy={strategy.name!r} with --replica-groups {launch.count}: {reason}; use strategy='ddp' or "
+            "'fsdp' inside each group (also beside 'tp', as 'fsdp+tp'; or 'single' with --nproc 1)"
+        )
+    if "pp" in strategy.name.split("+") and config.balance in MEASURED_BALANCE:
+        raise ParatrainError(
+            f"strategy={strategy.name!r} with --replica-groups {launch.count} and balance={config.balance!r}: each "
+            "group would measure its own stage split, and rank l of two groups must hold the same layers; give "
+            "balance='equal', the layers per stage (balance=[3, 2]) or split_points"
         )
     if config.precision == "16":
         raise ParatrainError(
             f"precision='16' with --replica-groups {launch.count}: each group's GradScaler would skip steps on its "
             "own; use precision='bf16' or '32'"
         )
+
+
+def _not_built(name: str) -> str | None:
+    """Why `name` cannot run inside a group, or None."""
+    if name in WHOLE:
+        return None
+    words = name.split("+")
+    for word in words:
+        if word in NOT_BUILT:
+            return NOT_BUILT[word]
+    unknown = [w for w in words if w not in INSIDE_AXES]
+    return f"{'+'.join(unknown)} is not built for replica groups" if unknown else None
+
+
+def _check_equal_shares(loader: ShardedLoader, groups: int) -> None:
+    """A pipeline's replicas take equal rows: its global batch must split evenly over every number of live groups
+    (1..R) times the group's replicas and accumulation steps, or a step after a group is lost could not be cut."""
+    layout, batch = loader.layout, loader.global_batch
+    if not layout.equal_shares or batch is None:
+        return
+    parts = [p * layout.replicas * layout.grad_accum for p in range(1, groups + 1)]
+    uneven = [p for p in parts if batch % p]
+    if uneven:
+        need = math.lcm(*parts)
+        raise ParatrainError(
+            f"global batch {batch} with a pipeline in each of {groups} replica groups: its replicas take equal rows, "
+            f"and {batch} cannot be cut into {uneven[0]} equal shares (groups alive x replicas x accumulation); use "
+            f"a global batch that is a multiple of {need}")
 
 
 class ReplicaGroups:
@@ -125,6 +181,7 @@ class ReplicaGroups:
 
     def attach_loader(self, loader: ShardedLoader) -> None:
         """The training loader: it asks `begin` for this step's rows and advances only on a commit."""
+        _check_equal_shares(loader, self.launch.count)
         loader.replica_steps = self
         self._loaders.append(loader)
         self._join_when_ready()
@@ -143,8 +200,8 @@ class ReplicaGroups:
             self.begin()
 
     def _state(self) -> dict[str, Any]:
-        return {"models": [m.state_dict() for m in self._models],
-                "optimizers": [o.state_dict() for o in self._optimizers],
+        return {"models": [shards.model_state(m) for m in self._models],
+                "optimizers": [shards.optimizer_state(o) for o in self._optimizers],
                 "loaders": [x.state_dict() for x in self._loaders], "micro": self._micro(), "rng": rng.capture()}
 
     def _load(self, state: dict[str, Any]) -> None:
@@ -154,9 +211,9 @@ class ReplicaGroups:
                 f"training loader(s) but the group it recovers from has {len(state['models'])} and "
                 f"{len(state['loaders'])}; every group must run the same script")
         for model, values in zip(self._models, state["models"]):
-            model.load_state_dict(values)
+            shards.load_model_state(model, values)
         for optimizer, values in zip(self._optimizers, state["optimizers"]):
-            optimizer.load_state_dict(values)
+            shards.load_optimizer_state(optimizer, values)
         for loader, values in zip(self._loaders, state["loaders"]):
             loader.load_state_dict(values)
         self._restore_micro(int(state["micro"]))
@@ -186,8 +243,8 @@ class ReplicaGroups:
         buckets: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
-        for same in buckets.values():
-            grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in same]
+        for same in buckets.values():  # each rank its own pieces: rank l of every group holds the same shards
+            grads = [_grad_piece(p) for p in same]
             flat = torch.cat([g.reshape(-1) for g in grads])
             if not self.manager.allreduce(flat).wait():
                 return  # reported to the manager: should_commit says no
@@ -196,9 +253,9 @@ class ReplicaGroups:
                 part = flat[offset : offset + g.numel()].view_as(g)
                 offset += g.numel()
                 if p.grad is not None:
-                    p.grad.copy_(part)
+                    g.copy_(part)  # g is the gradient's own storage (its local piece under fsdp or tp)
                 elif bool(part.any()):  # a parameter only other groups' rows reached
-                    p.grad = part.clone()
+                    p.grad = shards.like(part.clone(), p)
 
     def commit(self) -> bool:
         """Whether the optimizer may step: True once every group's reduction succeeded; False drops the step."""
@@ -237,3 +294,10 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _grad_piece(p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `p`'s gradient (its storage, written back in place), or zeros where it has none."""
+    if p.grad is not None:
+        return shards.local(p.grad.detach())
+    return torch.zeros_like(shards.local(p.detach()))

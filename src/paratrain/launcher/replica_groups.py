@@ -1,7 +1,8 @@
 """`paratrain run --replica-groups R`: R copies of a job that survive each other's failures.
 
 Each replica group is an ordinary `paratrain run` (torchrun's agent, its own rendezvous and port, its own
-`--max-restarts`), training the whole model on its rows of every global batch. Between groups, a torchft
+`--max-restarts`), training the whole model (laid out over its workers: ddp, fsdp, tp, pp) on its rows of every
+global batch. Between groups, a torchft
 lighthouse says each step which groups are alive; their gradients are averaged over those (faults/replica_groups).
 A group that dies is restarted by its own agent while the others keep training; it rejoins by copying the state
 of a live group, so a lost worker costs seconds of one group, not a restart of the job from a checkpoint.

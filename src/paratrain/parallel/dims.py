@@ -76,6 +76,14 @@ class ParallelDims:
         """Data-parallel replicas of the model: each loads its own share of the global batch."""
         return self.dp_replicate * self.dp_shard
 
+    def refused(self) -> str | None:
+        """Why these degrees are not built together (None: they are). The strategy refuses by it and the planner
+        leaves such layouts out by it: one answer for both."""
+        if self.ep > 1 and self.cp > 1:
+            return ("expert parallelism beside context parallelism is not built (the experts would see each rank's "
+                    "share of the tokens); drop 'ep' or 'cp'")
+        return None
+
     def sizes(self) -> dict[str, int]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
                 "tp": self.tp}

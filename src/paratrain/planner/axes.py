@@ -12,13 +12,14 @@ each axis in turn rewrites it. A new axis is one more entry.
          column-split Linear backward over the tensor ranks, and DTensor's per-call cost (`Cluster.tp_overhead`)
     cp   1/cp of every sequence's tokens (attention too, load-balanced); per attention call an all-gather of the
          keys and values forward and a reduce-scatter of their gradients backward over the cp ranks; attention under
-         an explicit causal mask (`Profile.masked_attention`); the outputs gathered and the loss taken on the whole
-         sequences on every rank (`Profile.loss_s`); activations / cp; the replicated weights' gradients averaged
-         over dp x cp
+         an explicit causal mask (`Profile.masked_attention`); the outputs gathered, with the copies around the
+         exchange (`logits_exchange`), and the loss taken on the whole sequences on every rank (`Profile.loss_s`),
+         none of it where each rank takes its own tokens' loss (`setup(loss="token_mean")`: `gathers_outputs`);
+         activations / cp; the replicated weights' gradients averaged over dp x cp
     ep   per MoE module the dispatch and combine all-to-alls forward and again backward, bytes = tokens per rank x
-         top_k x hidden x dtype bytes, over the ep group; listed experts exchange once per expert call, in turn, so
-         every rank waits for the group's whole expert work; grouped experts compute their own rows at once, the
-         busiest rank's share of the rows (`Profile.imbalance`) setting the pace; expert parameters, gradients and
+         top_k x hidden x dtype bytes, over the ep group, after the per-expert counts (grouped experts) or every
+         rank's expert calls (listed experts: `parallel.expert.listed`, whose second routing pass is left out);
+         the busiest rank's share of the rows (`Profile.imbalance`) sets the pace; expert parameters, gradients and
          optimizer state / ep; expert gradients all-reduced (one tensor at a time) over the dp / ep ranks holding
          the same experts
 """
@@ -45,12 +46,21 @@ class Step:
     precision: str
     rows: float
     """Samples this rank loads per micro-step (whole sequences)."""
+    loss: str = "any"
+    """`setup(loss=...)`: "any" (under cp the outputs are gathered into whole sequences for the loss) or
+    "token_mean" (each context rank takes its own tokens' loss: nothing gathered, outside pipelines)."""
     _times: dict[float, list[LayerTime]] = field(default_factory=dict)
 
     @property
     def tokens(self) -> float:
         """The rank's computed tokens, in samples: context ranks each compute 1/cp of every sequence."""
         return self.rows / self.dims.cp
+
+    @property
+    def gathers_outputs(self) -> bool:
+        """Whether context ranks gather the outputs into whole sequences and every one takes their whole loss: always
+        at a pipeline's exit, and outside pipelines unless the loss is a token mean (`strategies/nd.py`)."""
+        return gathers_outputs(self.loss, self.dims)
 
     def at(self, b: float) -> list[LayerTime]:
         """Every layer's time on one device at micro-batch b (measured or from FLOPs), computed once per size."""
@@ -142,23 +152,50 @@ def _context_time(step: Step, i: int, t: LayerTime) -> Timed:
         forward += layer.attention_calls * step.collective("all_gather", kv, group)
         backward += layer.attention_calls * step.collective("reduce_scatter", kv, group)
     comm = forward + backward
-    if i == len(step.profile.layers) - 1:  # the outputs gathered back into whole sequences, and the loss taken on
-        # them on every rank: the last layer was timed with the loss of the rank's share of the tokens only
-        out = layer.output_bytes * step.rows
-        gather, scatter = step.collective("all_gather", out, group), step.collective("reduce_scatter", out, group)
+    if i == len(step.profile.layers) - 1 and step.gathers_outputs:  # the outputs gathered back into whole
+        # sequences, and the loss taken on them on every rank: the last layer was timed with its share's loss only
+        (gather, scatter), copies = logits_exchange(step, layer.output_bytes * step.rows, group)
         forward, backward, comm = forward + gather, backward + scatter, comm + gather + scatter
         whole = step.rows - step.tokens
-        forward, backward = forward + step.profile.loss_s[0] * whole, backward + step.profile.loss_s[1] * whole
+        forward += step.profile.loss_s[0] * whole + copies[0]
+        backward += step.profile.loss_s[1] * whole + copies[1]
     extra = step.profile.masked_attention - 1  # the layers were timed with causal attention, which skips blocks
     forward += extra * layer.attention_s[0] * step.tokens
     backward += extra * layer.attention_s[1] * step.tokens
     return _plus(t, forward, backward), comm
 
 
-def context_buffers(profile: Profile, rows: float) -> float:
+def gathers_outputs(loss: str, dims: ParallelDims) -> bool:
+    """Context ranks gather the model's outputs for the loss unless it is a token mean taken outside a pipeline
+    (`strategies/nd.py`: each rank then takes its own tokens' loss); a pipeline's last stage always gathers."""
+    return dims.cp > 1 and (loss != "token_mean" or dims.pp > 1)
+
+
+def logits_exchange(step: Step, whole: float, group: Group) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((all-gather, reduce-scatter), (forward, backward) copies) seconds of gathering `whole` bytes of outputs into
+    whole sequences (`parallel.context.Share.whole`): the differentiable all-gather of every rank's share, its
+    gradient reduce-scattered back, and the tensors made around them, each a copy into fresh memory (`fresh`):
+    forward the share made contiguous, the gathered buffer and the whole put back in sequence order; backward the
+    gradient's pieces joined, made contiguous for the reduce-scatter, its output and the share's gradient."""
+    share = whole / step.dims.cp
+    fresh = _fresh_copy(step)
+    exchange = step.collective("all_gather", whole, group), step.collective("reduce_scatter", whole, group)
+    return exchange, (fresh * (share + 2 * whole), fresh * (2 * whole + 2 * share))
+
+
+def _fresh_copy(step: Step) -> float:
+    """Seconds per byte of a copy into new memory: measured with the profile on this machine, else a read and a
+    write at the device's memory bandwidth."""
+    if step.profile.copy_s_per_byte and costs.uses_measurements(step.profile, step.cluster, step.precision):
+        return step.profile.copy_s_per_byte
+    return 2 / (step.cluster.memory_bandwidth or 1e11)
+
+
+def context_buffers(profile: Profile, rows: float, loss: str = "any") -> float:
     """What a context rank holds whole: every attention call's gathered keys and values (kept for the backward),
-    and the gathered outputs."""
-    return sum(x.kv_bytes for x in profile.layers) * rows + profile.layers[-1].output_bytes * rows
+    and the gathered outputs unless each rank takes its own tokens' loss (`gathers_outputs`)."""
+    kept = sum(x.kv_bytes for x in profile.layers) * rows
+    return kept + (profile.layers[-1].output_bytes * rows if loss != "token_mean" else 0.0)
 
 
 # -- expert ----------------------------------------------------------------------------------------------------------
@@ -179,22 +216,17 @@ def _expert_time(step: Step, i: int, t: LayerTime) -> Timed:
     group = expert_group(step.cluster, ep)
     a2a = lambda n: step.collective("all_to_all", n, group)  # noqa: E731
     per_module = layer.routed_bytes * step.rows / max(1, layer.moe_modules)
-    if layer.expert_kind == "listed":  # each expert call in turn: the rows for that expert to its owner and back
-        calls = layer.experts * layer.moe_modules
-        rows = per_module / layer.experts * ep  # the owner receives every other rank's rows for its expert
-        agree = step.collective("all_gather", 16 * ep, group)
-        extra = step.cluster.expert_overhead / 2  # the runtime's own cost per call, half each way
-        forward, backward = calls * (agree + 2 * a2a(rows) + extra), calls * (2 * a2a(rows) + extra)
-        group_work = step.at(step.tokens * ep)[i]  # every rank waits while each owner computes for the group
-        compute = _plus(t, layer.expert_share * (group_work.forward - t.forward),
-                        layer.expert_share * (group_work.backward - t.backward))
-    else:  # one exchange per module: the per-expert counts, the rows there and back; the rows' gradients both ways
-        modules = layer.moe_modules
-        extra = step.cluster.expert_overhead / 2
-        forward = modules * (a2a(8 * layer.experts) + 2 * a2a(per_module) + extra)  # the counts: latency, mostly
-        backward = modules * (2 * a2a(per_module) + extra)
-        slow = step.profile.imbalance(ep) - 1  # the busiest rank's rows set the pace
-        compute = _plus(t, layer.expert_share * slow * t.forward, layer.expert_share * slow * t.backward)
+    modules = layer.moe_modules
+    extra = step.cluster.expert_overhead / 2  # the runtime's own cost per exchange, half each way
+    if layer.expert_kind == "listed":  # every rank's calls gathered at once (`parallel.expert.listed`)
+        calls = step.collective("all_gather", 8 * (1 + 2 * layer.experts), group)
+    else:  # the per-expert counts: latency, mostly
+        calls = a2a(8 * layer.experts)
+    # one exchange per module: the rows there and back; the rows' gradients both ways
+    forward = modules * (calls + 2 * a2a(per_module) + extra)
+    backward = modules * (2 * a2a(per_module) + extra)
+    slow = step.profile.imbalance(ep) - 1  # the busiest rank's rows set the pace
+    compute = _plus(t, layer.expert_share * slow * t.forward, layer.expert_share * slow * t.backward)
     return _plus(compute, forward, backward), forward + backward
 
 
@@ -236,10 +268,9 @@ def active(dims: ParallelDims) -> list[Axis]:
 
 
 def refused(dims: ParallelDims) -> str | None:
-    """Combinations the N-D strategy does not build (`strategies/nd.py` `check`; a test holds the two together)."""
-    if dims.ep > 1 and dims.cp > 1:
-        return "expert parallelism beside context parallelism is not built"
-    return None
+    """Combinations the runtime does not build: the degrees' own answer (`ParallelDims.refused`), which the strategy
+    refuses by."""
+    return dims.refused()
 
 
 def problem(profile: Profile, dims: ParallelDims) -> str | None:

@@ -6,7 +6,7 @@ send/recv) over message sizes from 4 KiB to 16 MiB, with gloo on loopback; alpha
 collective (`comm.fit`). The same workers time a two-stage pipeline of tiny layers, whose step is almost all
 schedule overhead (sends, receives, Python), a tensor-parallel pair of tiny Linears against the same pair whole
 (DTensor's per-call cost), one listed expert's exchange as expert parallelism runs it against its collectives
-alone (the runtime's cost per expert call), and chains of FSDP2 units of two sizes against the same chains whole,
+alone (the runtime's cost per exchange), and chains of FSDP2 units of two sizes against the same chains whole,
 less their collectives timed alone (FSDP's per-unit cost on CPU workers), and report their resident memory once
 torch's dense kernels have run (code and math-library workspaces resident, no model): the floor every worker's
 measured peak includes. One core times matrix products of growing size for its peak rate and efficiency curve,

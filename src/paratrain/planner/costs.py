@@ -34,7 +34,8 @@ class AxisFacts:
     experts: int = 0
     """Experts of each mixture-of-experts module in this layer (0: none; `parallel.expert.find`)."""
     expert_kind: str = ""
-    """"listed" (a ModuleList, exchanged once per expert call) or "grouped" (3-D weights, one exchange a module)."""
+    """"listed" (a ModuleList called in turn) or "grouped" (3-D weights): both exchange once a module, listed after
+    gathering every rank's expert calls (`parallel.expert.listed`)."""
     moe_modules: int = 0
     expert_params: int = 0
     """Parameters of all the layer's experts (expert parallelism holds 1/ep of them)."""
@@ -154,6 +155,10 @@ class Profile:
     loss_s: tuple[float, float] = (0.0, 0.0)
     """(forward, backward) seconds of the loss per sample, measured after the last layer (whose time includes them):
     under context parallelism every rank computes the whole sequences' loss, not its share's (0: not measured)."""
+    copy_s_per_byte: float = 0.0
+    """Seconds per byte of copying the last layer's output (at the largest profiled micro-batch) into newly allocated
+    memory, measured here: what each tensor made around context parallelism's gather of the outputs costs, the
+    fresh memory's page faults included (0: not measured; the device's memory bandwidth stands in)."""
 
     @property
     def params(self) -> int:

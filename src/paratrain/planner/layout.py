@@ -6,8 +6,11 @@ layout the runtime refuses is never predicted, and by its `PRESET_DIMS` for the 
 per pipeline rank, micro-batches and schedule for pipelines, gradient-accumulation steps, and the precision. It
 renders as the exact `paratrain.setup(...)` arguments and the launch command.
 
-`mp` is the one preset whose pipeline ranks are devices of one process: its `dims.pp` counts devices, and
-`processes` is 1 (the runtime's `PRESET_DIMS` gives it one process's degrees; the planner needs its stages).
+`mp` is the one predicted preset whose pipeline ranks are devices of one process: its `dims.pp` counts devices,
+and `processes` is 1 (the runtime gives it one process's degrees; the planner needs its stages).
+
+Facts about a strategy (its axes, pipelined, scheduled, sharded, how its replicas average, processes) are asked of
+the runtime's own strategy object (`strategies.get`), never read off its name here.
 """
 
 from __future__ import annotations
@@ -17,14 +20,25 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from ..errors import ParatrainError
-from ..parallel.dims import ParallelDims, canonical, dims_for, is_grammar, parse
+from ..parallel.dims import ParallelDims, dims_for, is_grammar, parse
 from .cluster import Cluster
 
 SEARCHED_PRESETS = ("single", "ddp", "fsdp", "pp", "mp")
 """The presets of `paratrain.strategies.TABLE` the planner predicts (`dp` needs GPUs in one process and `ddp+mp`
 is covered by `ddp+pp`); every other layout is a name of the grammar."""
-DEVICES_OF_ONE_PROCESS = ("mp",)
-"""Presets whose pipeline ranks are devices of one process, not processes."""
+
+
+@functools.lru_cache(maxsize=256)
+def facts(strategy: str) -> Any:
+    """The runtime's strategy object for `strategy` (`paratrain.strategies.base.Strategy`): what it is built of."""
+    from ..strategies import get
+
+    return get(strategy)
+
+
+def _stages_in_process(strategy: str) -> bool:
+    """The pipeline ranks are devices of one process (`mp`), not processes."""
+    return bool(facts(strategy).in_process == "stages" and not facts(strategy).needs_process_group)
 
 
 def presets() -> tuple[str, ...]:
@@ -35,12 +49,9 @@ def presets() -> tuple[str, ...]:
 
 
 def axes(strategy: str) -> tuple[str, ...]:
-    """The parallel axes of a strategy name (presets and the grammar alike; `mp` and `single` have none)."""
-    from ..strategies import TABLE
-
-    if strategy in TABLE and strategy not in ("ddp", "fsdp", "pp"):
-        return ()
-    return parse(strategy) if is_grammar(strategy) else ()
+    """The parallel axes of a strategy (presets and the grammar alike; `mp` and `single` have none)."""
+    found: tuple[str, ...] = facts(strategy).axes
+    return found
 
 
 def known(strategy: str) -> str | None:
@@ -76,7 +87,7 @@ def degrees(strategy: str, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1
     from ..strategies import TABLE
 
     world = dp * tp * pp * cp
-    if strategy in DEVICES_OF_ONE_PROCESS:
+    if _stages_in_process(strategy):
         return ParallelDims(pp=pp)
     if strategy in TABLE:
         found = _preset(strategy, world)
@@ -147,11 +158,12 @@ class Layout:
     @property
     def scheduled(self) -> bool:
         """Runs a pipeline schedule over processes (a `pp` axis)."""
-        return "pp" in axes(self.strategy)
+        return bool(facts(self.strategy).scheduled)
 
     @property
     def pipelined(self) -> bool:
-        return self.scheduled or self.strategy in DEVICES_OF_ONE_PROCESS
+        """The model is split into stages (over processes, or over the devices of one process)."""
+        return bool(facts(self.strategy).microbatched)
 
     @property
     def sharded(self) -> bool:
@@ -159,14 +171,13 @@ class Layout:
 
     @property
     def grammar(self) -> bool:
-        """Built by the N-D strategy (`strategies/nd.py`): replicas average after the backward, not DDP's buckets."""
-        from ..strategies import TABLE
-
-        return self.strategy not in TABLE and canonical(self.strategy) not in TABLE
+        """Replicas average after the backward (`parallel.data_parallel.replicas`), not in DDP's buckets: DDP is
+        built where the replicas are the layout's one axis (`parallel.parallelize`)."""
+        return bool(axes(self.strategy)) and axes(self.strategy) != ("ddp",)
 
     @property
     def processes(self) -> int:
-        return 1 if self.strategy in DEVICES_OF_ONE_PROCESS else self.devices
+        return self.devices if facts(self.strategy).needs_process_group else 1
 
     @property
     def stages(self) -> int:
@@ -177,7 +188,7 @@ class Layout:
         dims = self.dims
         of = {"ddp": dims.dp_replicate, "fsdp": dims.dp_shard, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp}
         words = axes(self.strategy)
-        if self.strategy in DEVICES_OF_ONE_PROCESS:
+        if _stages_in_process(self.strategy):
             return [dims.pp]
         if "ep" in words and not {"ddp", "fsdp"} & set(words):
             words = ("ddp", *words)  # ep alone carves its experts from replicas
@@ -220,7 +231,7 @@ class Layout:
                 kwargs["stages_per_worker"] = self.stages_per_worker
             if self.dp > 1 or self.tp > 1:
                 kwargs["pp_size"] = self.pp
-        if self.strategy in DEVICES_OF_ONE_PROCESS:
+        if _stages_in_process(self.strategy):
             kwargs["microbatches"] = self.microbatches
             device = "cuda" if cluster.kind == "cuda" else "cpu"
             kwargs["devices"] = [f"{device}:{i}" if device == "cuda" else device for i in range(self.pp)]

@@ -7,9 +7,11 @@ parallelism overlaps its gradient all-reduce with the backward, bucket by bucket
 FSDP gathers each unit's parameters one unit ahead and reduce-scatters its gradients behind
 (`overlap.fsdp_step`), and each unit costs what the local measurement found FSDP2 adds beyond its math and its
 collectives (`Cluster.fsdp_unit`: hooks, flat-buffer copies, and the core its transfers take from compute on CPU
-workers); pipelines run torch's own action lists (`parallel.pipeline.simulate`), stages cut by the
-same time balance paratrain uses at run time, and ddp+pp then all-reduces every stage's gradients over
-its replicas, after the schedule, as paratrain does. Every data-parallel step also all-reduces its loss.
+workers; beside a model axis's exchanges, on CPU workers, both hide in the rank's waits: `_waits`), HSDP
+all-reduces each unit's shard over its replicas (`shards_of`); pipelines run torch's own action lists
+(`parallel.pipeline.simulate`), stages cut by the same time balance paratrain uses at run time, and ddp+pp then
+all-reduces every stage's gradients over its replicas, after the schedule, as paratrain does. Every data-parallel
+step also all-reduces its loss.
 
 Tensor parallelism (`tp` > 1, any layout) runs each layer's split share (`LayerCost.tp_share`) at a 1/tp
 share of the work (timed as the same layer at a 1/tp share of the micro-batch: the same FLOPs in products of
@@ -101,17 +103,19 @@ def capacity(cluster: Cluster, layout: Layout) -> float:
     return cluster.memory
 
 
-def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str = "adam") -> Prediction:
-    """The predicted step of `layout` training `profile` at global batch `batch` on `cluster`."""
+def predict(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str = "adam", *,
+            loss: str = "any") -> Prediction:
+    """The predicted step of `layout` training `profile` at global batch `batch` on `cluster`; `loss` is
+    `setup(loss=...)` (a token mean spares context ranks the outputs' gather: `axes.gathers_outputs`)."""
     why = problem(layout, profile, batch, cluster)
     if why is not None:
         return Prediction(layout, fits=False, reason=why)
     if layout.scheduled or (layout.strategy == "mp" and cluster.kind == "cuda"):
-        out = _pipeline(profile, layout, cluster, batch, optimizer)
+        out = _pipeline(profile, layout, cluster, batch, optimizer, loss)
     elif layout.strategy == "mp":
         out = _serial_pipeline(profile, layout, cluster, batch, optimizer)
     else:
-        out = _data_parallel(profile, layout, cluster, batch, optimizer)
+        out = _data_parallel(profile, layout, cluster, batch, optimizer, loss)
     out.memory.process = cluster.process_bytes
     out.memory.build = memory.building(profile.param_bytes, out.memory.params,
                                        max((x.param_bytes for x in profile.layers), default=0),
@@ -151,21 +155,87 @@ def _shared_cores(step: float, work: float, cluster: Cluster, layout: Layout) ->
     return step
 
 
-def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
+def data_parallel_bytes(profile: Profile, dims: ParallelDims) -> list[float]:
+    """Per layer, the bytes the data-parallel axes reduce, and so FSDP's units shard: what a rank holds less what an
+    axis reduces itself (`axes.held`: a layer's experts under ep, which FSDP leaves out)."""
+    return [axes.held([layer], dims)[1] for layer in profile.layers]
+
+
+def _waits(cluster: Cluster, layout: Layout, axis_comm: float) -> float:
+    """Seconds per micro-step a CPU worker sits blocked in the model axes' exchanges (the experts' all-to-alls, the
+    keys' and values' gathers): its core is idle then, so FSDP's transfers and its own per-unit work, which on CPU
+    workers otherwise take their time from compute, run there for free. None where workers outnumber the cores (the
+    core goes to another worker) or on GPUs (the host does not wait on a collective)."""
+    if cluster.kind != "cpu" or layout.processes > cluster.devices:
+        return 0.0
+    return axis_comm
+
+
+@dataclass(frozen=True)
+class Shards:
+    """How FSDP holds a layout's data-parallel weights: sharded over `shards` ranks (dp_shard, and the context ranks
+    beside them), and, under HSDP, each shard's gradients all-reduced over `replicas` copies (dp_replicate)."""
+
+    shards: int
+    shard_group: Group
+    replicas: int
+    replica_group: Group
+
+
+def shards_of(cluster: Cluster, dims: ParallelDims) -> Shards:
+    """FSDP's mesh (`parallel.parallelize._shard_mesh`): "dp_shard" x "cp", or HSDP's "dp_replicate" x that. On the
+    one N-D mesh the shard ranks are a block of neighbours, the replicas that block's size apart."""
+    inner = dims.dp_shard * dims.cp
+    per_node = cluster.devices_per_node
+    return Shards(inner, Group(inner, inner > 1 and inner * dims.tp > per_node), dims.dp_replicate,
+                  Group(dims.dp_replicate, dims.dp_replicate > 1 and dims.dp * dims.cp * dims.tp > per_node))
+
+
+def fsdp_unit_cost(cluster: Cluster, unit: list[float]) -> float:
+    """What FSDP2 adds per micro-step beyond its math and collectives (`Cluster.fsdp_unit`), over the units it
+    shards: `unit` holds only the bytes FSDP shards (a layer's experts under ep are not among them)."""
+    alpha, beta = cluster.fsdp_unit
+    return sum(alpha + beta * n for n in unit if n)
+
+
+def _sharded_micro_step(fwd: list[float], bwd: list[float], unit: list[float], groups: Shards, cluster: Cluster,
+                        waits: float, sync: bool) -> tuple[float, float, float]:
+    """(seconds, exposed communication, FSDP's per-unit seconds charged) of one FSDP micro-step. The collectives run
+    beside compute in torch's order (`overlap.fsdp_step`); with `overlap` below 1 the part compute hides still costs
+    its share of compute time, and FSDP's own per-unit work is charged, both less the seconds the rank waits in the
+    model axes' exchanges (`_waits`). HSDP all-reduces each unit's reduce-scattered shard over its replicas."""
+    gather = lambda n: collective_time(cluster, "all_gather", n, groups.shard_group)  # noqa: E731
+    scatter = lambda n: (collective_time(cluster, "reduce_scatter", n, groups.shard_group)  # noqa: E731
+                         + collective_time(cluster, "all_reduce", n / groups.shards, groups.replica_group))
+    free = overlap.fsdp_step(fwd, bwd, unit, gather, scatter, 1.0, sync=sync)  # the timeline, nothing charged
+    hidden = (1 - cluster.overlap) * max(0.0, free.comm - free.exposed)
+    charged = max(0.0, hidden - waits)
+    units = fsdp_unit_cost(cluster, unit) if groups.shards * groups.replicas > 1 else 0.0
+    units = max(0.0, units - max(0.0, waits - hidden))
+    return free.end + charged, free.exposed + charged, units
+
+
+def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str,
+                   loss: str = "any") -> Prediction:
     dims, accum, sharded = layout.dims, layout.grad_accum, layout.sharded
     b = batch // (layout.dp * accum)
-    on_rank = axes.Step(profile, cluster, dims, layout.precision, b)
+    on_rank = axes.Step(profile, cluster, dims, layout.precision, b, loss)
     lt, axis_comm = axes.layer_times(on_rank)
     fwd, bwd = [t.forward for t in lt], [t.backward for t in lt]
-    unit = [axes.held([layer], dims)[1] for layer in profile.layers]  # what the data-parallel axes reduce
+    unit = data_parallel_bytes(profile, dims)
     ranks = axes.averaged_over(dims)  # the replicas, and the context ranks beside them
     group = Group(ranks, ranks > 1 and ranks * dims.tp > cluster.devices_per_node)
     reduce = lambda kind: (lambda n: collective_time(cluster, kind, n, group))  # noqa: E731
+    call = _call_overhead(profile, cluster, layout)
+    units = 0.0
+    groups = shards_of(cluster, dims)
+    shards = groups.shards if sharded else 1
     if sharded:
-        quiet = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap,
-                                    sync=False)
-        last = overlap.fsdp_step(fwd, bwd, unit, reduce("all_gather"), reduce("reduce_scatter"), cluster.overlap)
-        body, exposed = (accum - 1) * quiet.end + last.end, (accum - 1) * quiet.exposed + last.exposed
+        waits = _waits(cluster, layout, axis_comm)
+        q_end, q_exposed, q_units = _sharded_micro_step(fwd, bwd, unit, groups, cluster, waits, sync=False)
+        l_end, l_exposed, l_units = _sharded_micro_step(fwd, bwd, unit, groups, cluster, waits, sync=True)
+        body, exposed = (accum - 1) * q_end + l_end, (accum - 1) * q_exposed + l_exposed
+        units = (accum - 1) * q_units + l_units
     elif layout.grammar:  # replicas average in one flat all-reduce after the backward (strategies/nd.py)
         averaged = reduce("all_reduce")(sum(unit))
         body, exposed = accum * (sum(fwd) + sum(bwd)) + averaged, averaged
@@ -175,30 +245,26 @@ def _data_parallel(profile: Profile, layout: Layout, cluster: Cluster, batch: in
         exposed = last.exposed
     after = axes.after_backward(on_rank)  # what an axis reduces itself when the window ends (experts)
     body, exposed = body + after, exposed + after
-    call = _call_overhead(profile, cluster, layout)
-    if sharded and ranks > 1:  # FSDP's own cost per unit (measured by --cluster local; 0 in specs)
-        alpha, beta = cluster.fsdp_unit
-        call += sum(alpha + beta * n for n in unit if n)
-    overhead = accum * (call + (_loss_reduce(cluster, layout) if layout.devices > 1 else 0.0))
+    overhead = accum * (call + (_loss_reduce(cluster, layout) if layout.devices > 1 else 0.0)) + units
     params, held, own_params, own_bytes = axes.held(profile.layers, dims)
-    opt = costs.optimizer_time(profile, params / (ranks if sharded else 1) + own_params, cluster, optimizer)
+    opt = costs.optimizer_time(profile, params / shards + own_params, cluster, optimizer)
     step = body + overhead + opt
-    mem = memory.model_state(held, params, optimizer, ranks if sharded else 1)
+    mem = memory.model_state(held, params, optimizer, shards)
     mem.add(memory.model_state(own_bytes, own_params, optimizer))
     largest = max(unit)
     if sharded:
-        mem.buffers = 3 * largest + (held * (1 - 1 / ranks) if accum > 1 else 0.0)
+        mem.buffers = 3 * largest + (held * (1 - 1 / shards) if accum > 1 else 0.0)
     elif ranks > 1:
         mem.buffers = held  # DDP's buckets (or the replicas' flat buffer) hold a copy of every gradient
     if dims.cp > 1:
-        mem.buffers += axes.context_buffers(profile, b)
+        mem.buffers += axes.context_buffers(profile, b, on_rank.loss)
     mem.activations = memory.activations(axes.activations(profile.layers, dims),
                                          max(layer.output_bytes for layer in profile.layers), on_rank.tokens)
     mem.data = profile.sample_bytes * b
     compute = accum * (sum(fwd) + sum(bwd)) - accum * axis_comm
     return Prediction(layout, step_s=_shared_cores(step, layout.devices * step, cluster, layout), compute_s=compute,
-                      exposed_comm_s=exposed + accum * axis_comm + (overhead - accum * call), optimizer_s=opt,
-                      overhead_s=accum * call, memory=mem)
+                      exposed_comm_s=exposed + accum * axis_comm + (overhead - accum * call - units),
+                      optimizer_s=opt, overhead_s=accum * call + units, memory=mem)
 
 
 def _stage_costs(profile: Profile, lt: list[costs.LayerTime], balance: list[int], b: int,
@@ -233,11 +299,12 @@ def _tie_in_one_rank(profile: Profile, balance: list[int], where: dict[int, int]
     return None
 
 
-def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str) -> Prediction:
+def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, optimizer: str,
+              loss: str = "any") -> Prediction:
     dp, pp, per_worker, micro, tp = layout.dp, layout.pp, layout.stages_per_worker, layout.microbatches, layout.tp
     schedule = layout.schedule or "gpipe"
     b = batch // (dp * micro)
-    lt, _ = axes.layer_times(axes.Step(profile, cluster, layout.dims, layout.precision, b))
+    lt, _ = axes.layer_times(axes.Step(profile, cluster, layout.dims, layout.precision, b, loss))
     balance = solve([t.forward + t.backward for t in lt], layout.stages)
     dp_group, pp_group = pipeline_groups(cluster, dp, pp, tp * layout.cp)
     stages = _stage_costs(profile, lt, balance, b, lambda n: p2p_time(cluster, n, pp_group.crosses_nodes),
@@ -263,10 +330,10 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
             cluster, "reduce_scatter", n, dp_group) + per_worker * alpha + beta * n for n in rank_bytes)
     else:
         grads = max(collective_time(cluster, "all_reduce", n, dp_group) for n in rank_bytes) if dp > 1 else 0.0
-    loss = _loss_reduce(cluster, layout) if layout.processes > 1 else 0.0
+    reduced = _loss_reduce(cluster, layout) if layout.processes > 1 else 0.0
     opts = [costs.optimizer_time(profile, n / shards, cluster, optimizer) for n in rank_params]
-    step = run.step + grads + loss + max(opts) + cluster.step_overhead
-    work = dp * tp * (sum(run.busy) + pp * (grads + loss + cluster.step_overhead) + sum(opts))
+    step = run.step + grads + reduced + max(opts) + cluster.step_overhead
+    work = dp * tp * (sum(run.busy) + pp * (grads + reduced + cluster.step_overhead) + sum(opts))
     largest_output = max(layer.output_bytes for layer in profile.layers) * b
     worst = max(range(pp), key=lambda r: rank_bytes[r] + run.activation_peak[r])
     mem = memory.model_state(rank_bytes[worst], rank_params[worst], optimizer, shards)
@@ -283,7 +350,7 @@ def _pipeline(profile: Profile, layout: Layout, cluster: Cluster, batch: int, op
                                                          max(x.output_bytes for x in profile.layers), b)
         mem.retained = max(0.0, build - mem.activations - mem.grads)
     return Prediction(layout, step_s=_shared_cores(step, work, cluster, layout), compute_s=max(run.busy),
-                      exposed_comm_s=grads + loss + run.comm_wait, bubble=run.bubble, optimizer_s=max(opts),
+                      exposed_comm_s=grads + reduced + run.comm_wait, bubble=run.bubble, optimizer_s=max(opts),
                       overhead_s=cluster.step_overhead, memory=mem, balance=balance)
 
 

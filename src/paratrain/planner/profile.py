@@ -217,6 +217,16 @@ def _attention_seconds(facts: axis_profile.Facts, batch: int, device: torch.devi
         return (0.0, 0.0), 1.0
 
 
+def fresh_copy_seconds(nbytes: float, device: torch.device, repeats: int = 5) -> float:
+    """Seconds per byte of a copy of `nbytes` into newly allocated memory (a clone), one thread: the tensors context
+    parallelism makes around its gather of the outputs (`axes.logits_exchange`) are each of these. On CPU workers a
+    large fresh tensor is page-faulted in on every step, which a copy into a reused buffer (the cluster's memory
+    bandwidth) does not see."""
+    elements = max(1, int(nbytes) // 4)
+    source = torch.ones(elements, device=device)
+    return best_seconds(source.clone, device, repeats) / (4 * elements)
+
+
 def _axis_fields(facts: AxisFacts | None, attention: tuple[float, float]) -> dict[str, Any]:
     """A layer's expert and attention facts as `LayerCost` fields."""
     if facts is None:
@@ -268,6 +278,8 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
             opt_seconds = _optimizer_seconds(model, optimizer, repeats, device)
             facts = axis_profile.measure(model, x_small, [n for n, _ in layers])
         attention, masked = _attention_seconds(facts, largest, device, meta)
+        outputs = measured[largest][len(layers) - 1].output_bytes
+        copy = fresh_copy_seconds(outputs, device, repeats) if facts.attention_call is not None and not meta else 0.0
     median = statistics.median
     seconds_at = {b: [(median(t.forwards), median(t.backwards)) for t in measured[b]] for b in sizes}
     if wholes and device.type == "cuda":  # see _overlapped
@@ -304,7 +316,7 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         position_ids=facts.position_ids, context_refused=facts.context_refused, masked_attention=masked,
         own_blocks=decoder_parts(model) is not None,
         axes_note="; ".join(facts.notes) or None,
-        loss_s=(seconds_at[largest][-1][0] / largest, seconds_at[largest][-1][1] / largest),
+        loss_s=(seconds_at[largest][-1][0] / largest, seconds_at[largest][-1][1] / largest), copy_s_per_byte=copy,
     )
     # the step updated each distinct parameter once
     profile.optimizer_s_per_param = opt_per_param if meta else opt_seconds / max(1, profile.params)

@@ -5,8 +5,9 @@ list. For N devices, every shape of the model axes that applies to this model: n
 model has a tensor-parallel plan (T divides N and the plan's split dimensions, fits in a node); a context degree C
 where its attention can be shared out (the forward takes `position_ids`, the sequence divides into 2C chunks); T
 and C together; an expert degree E where it has experts (E divides N and every layer's experts). Each shape with the
-data-parallel ranks left as replicas (`ddp`; experts carved from them: `ep`) or shards (`fsdp`), or the name of the
-model axes alone when none are left, with the fewest gradient-accumulation steps that fit in memory. Then
+data-parallel ranks left as replicas (`ddp`; experts carved from them: `ep`) or shards (`fsdp`), or, 4 or more of
+them, as HSDP's replicas of shard groups (`ddp+fsdp`, where the printed `setup` arguments rebuild the split), or the
+name of the model axes alone when none are left, with the fewest gradient-accumulation steps that fit in memory. Then
 pipelines of P ranks beside each shape of the model axes (pp when P = N / (T C), otherwise replicas that copy the
 stages, ddp+pp, or shard each stage, fsdp+pp) for each divisor P up to the number of layers, each schedule, stages
 per worker up to what the layers allow; and `mp` inside one node. What the runtime refuses is not proposed: degrees
@@ -30,7 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ParatrainError
-from ..parallel.dims import canonical, is_grammar
+from ..parallel.dims import canonical, dims_for, is_grammar
 from ..parallel.pipeline.schedules import NAMES, row
 from . import axes
 from .cluster import Cluster
@@ -105,7 +106,8 @@ def _layout(strategy: str, **kwargs: Any) -> Layout | None:
     return None if axes.refused(layout.dims) else layout
 
 
-def _data_parallel(profile: Profile, cluster: Cluster, batch: int, optimizer: str, base: Layout) -> list[Prediction]:
+def _data_parallel(profile: Profile, cluster: Cluster, batch: int, optimizer: str, base: Layout,
+                   loss: str = "any") -> list[Prediction]:
     dp = base.dp
     if batch % dp:
         return [Prediction(base, fits=False, reason=f"global batch {batch} does not split over {dp} replicas")]
@@ -114,7 +116,7 @@ def _data_parallel(profile: Profile, cluster: Cluster, batch: int, optimizer: st
         return [Prediction(base, fits=False, reason=too_big)]
     last = None
     for accum in _divisors(batch // dp):
-        last = predict(profile, replace(base, grad_accum=accum), cluster, batch, optimizer)
+        last = predict(profile, replace(base, grad_accum=accum), cluster, batch, optimizer, loss=loss)
         if last.fits:
             break
     return [last] if last else []
@@ -154,8 +156,9 @@ def model_shapes(profile: Profile, cluster: Cluster, n: int) -> Iterator[dict[st
 
 
 def _without_pipeline(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-                      want: Wanted) -> list[Prediction]:
-    """Every model shape, with the data-parallel ranks left as replicas or shards (or none left)."""
+                      want: Wanted, loss: str = "any") -> list[Prediction]:
+    """Every model shape, with the data-parallel ranks left as replicas or shards (or none left), or, where there
+    are at least 4, as HSDP's replicas of shard groups (`hybrid`)."""
     found: list[Prediction] = []
     for shape in model_shapes(profile, cluster, n):
         rest = n // (shape.get("tp", 1) * shape.get("cp", 1))
@@ -166,8 +169,47 @@ def _without_pipeline(profile: Profile, cluster: Cluster, n: int, batch: int, pr
                 continue
             layout = _layout(strategy, dp=rest, precision=precision, **shape)
             if layout is not None:
-                found += _data_parallel(profile, cluster, batch, optimizer, layout)
+                found += _data_parallel(profile, cluster, batch, optimizer, layout, loss)
+        for layout in hybrid(model, shape, rest, n, precision, want):
+            if renders(layout, cluster):
+                found += _data_parallel(profile, cluster, batch, optimizer, layout, loss)
     return found
+
+
+def hybrid(model: Sequence[str], shape: dict[str, int], rest: int, n: int, precision: str,
+           want: Wanted) -> Iterator[Layout]:
+    """HSDP beside the model axes of `shape`: the `rest` data-parallel ranks as R replicas (dp_replicate) of shard
+    groups of rest / R ranks (dp_shard), for each R with at least 2 of each, as `dims_for` builds them (experts
+    carved from the shard groups)."""
+    strategy = canonical("+".join(["ddp", "fsdp", *model]))
+    if not want(strategy):
+        return
+    for replicas in _divisors(rest):
+        if replicas < 2 or rest // replicas < 2:
+            continue
+        try:
+            dims = dims_for(strategy, n, tp_size=shape.get("tp"), cp_size=shape.get("cp"), ep_size=shape.get("ep"),
+                            dp_replicate=replicas)
+        except ParatrainError:
+            continue
+        if not axes.refused(dims):
+            yield Layout(strategy=strategy, dims=dims, precision=precision)
+
+
+def renders(layout: Layout, cluster: Cluster) -> bool:
+    """Whether the `setup` arguments the layout prints build its own degrees (`dims_for`): a layout whose call would
+    run other degrees is not proposed (HSDP with other than the runtime's default replicas, while the arguments do not
+    carry `dp_replicate`)."""
+    if not layout.grammar:
+        return True
+    kwargs = layout.setup_kwargs(cluster)
+    try:
+        built = dims_for(layout.strategy, layout.devices, tp_size=kwargs.get("tp_size"),
+                         pp_size=kwargs.get("pp_size"), ep_size=kwargs.get("ep_size"), cp_size=kwargs.get("cp_size"),
+                         dp_replicate=kwargs.get("dp_replicate"))
+    except ParatrainError:
+        return False
+    return built == layout.dims
 
 
 def _micro_counts(schedule: str, pp: int, per_worker: int, per_replica: int) -> Iterator[int]:
@@ -188,7 +230,8 @@ def _pipeline_strategies(n: int, model: Sequence[str]) -> Iterator[tuple[int, st
 
 
 def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision: str, optimizer: str,
-               want: Wanted, schedules: Sequence[str], shape: dict[str, int] | None = None) -> list[Prediction]:
+               want: Wanted, schedules: Sequence[str], shape: dict[str, int] | None = None,
+               loss: str = "any") -> list[Prediction]:
     """Pipelines beside the model axes of `shape` (tp, cp, ep): expert and context parallelism live inside the
     stages only where the stages are the model's own blocks (`axes.problem` says which)."""
     out: list[Prediction] = []
@@ -212,17 +255,17 @@ def _pipelines(profile: Profile, cluster: Cluster, n: int, batch: int, precision
                 if (per_worker > 1) != row(schedule).multi_stage or pp * per_worker > layers:
                     continue
                 out += _sweep_microbatches(profile, cluster, batch, optimizer, replace(
-                    probe, stages_per_worker=per_worker, schedule=schedule, microbatches=1))
+                    probe, stages_per_worker=per_worker, schedule=schedule, microbatches=1), loss)
     return out
 
 
 def _sweep_microbatches(profile: Profile, cluster: Cluster, batch: int, optimizer: str,
-                        base: Layout) -> list[Prediction]:
+                        base: Layout, loss: str = "any") -> list[Prediction]:
     found: list[Prediction] = []
     best, rises = float("inf"), 0
     for m in _micro_counts(base.schedule or "1f1b", base.pp, base.stages_per_worker, batch // base.dp):
         layout = replace(base, microbatches=m)
-        result = predict(profile, layout, cluster, batch, optimizer)
+        result = predict(profile, layout, cluster, batch, optimizer, loss=loss)
         if result.reason and not result.fits and "GiB" not in result.reason:
             continue  # a count this schedule refuses
         found.append(result)
@@ -245,18 +288,20 @@ def _model_parallel(profile: Profile, cluster: Cluster, n: int, batch: int, prec
 
 def layouts(profile: Profile, cluster: Cluster, batch: int, *, precision: str = "32", optimizer: str = "adam",
             devices: int | None = None, strategies: Iterable[str] | None = None,
-            schedules: Sequence[str] = PIPELINE_SCHEDULES) -> list[Prediction]:
+            schedules: Sequence[str] = PIPELINE_SCHEDULES, loss: str = "any") -> list[Prediction]:
     """Predictions for every layout worth trying on `devices` devices (default: the whole cluster), among
-    `strategies` (None: every one): those that fit, fastest first, then those that do not, each with its reason."""
+    `strategies` (None: every one): those that fit, fastest first, then those that do not, each with its reason.
+    `loss` is `setup(loss=...)`, which decides whether context ranks gather the outputs (`axes.gathers_outputs`)."""
     n = devices or cluster.devices
     want = wanted(strategies)
     found: list[Prediction] = []
     if n == 1 and want("single"):
-        found += _data_parallel(profile, cluster, batch, optimizer, Layout(strategy="single", precision=precision))
+        found += _data_parallel(profile, cluster, batch, optimizer, Layout(strategy="single", precision=precision),
+                                loss)
     if n > 1:
-        found += _without_pipeline(profile, cluster, n, batch, precision, optimizer, want)
+        found += _without_pipeline(profile, cluster, n, batch, precision, optimizer, want, loss)
         for shape in model_shapes(profile, cluster, n):
-            found += _pipelines(profile, cluster, n, batch, precision, optimizer, want, schedules, shape)
+            found += _pipelines(profile, cluster, n, batch, precision, optimizer, want, schedules, shape, loss)
     if want("mp") and cluster.kind == "cuda":
         found += _model_parallel(profile, cluster, n, batch, precision, optimizer)
     fitting = sorted((p for p in found if p.fits), key=lambda p: p.step_s)

@@ -40,6 +40,7 @@ import torch
 from ..errors import ParatrainError
 from ..measure import stats
 from ..measure.timing import time_steps
+from ..parallel.dims import dims_for
 from ..parallel.pipeline.schedules import NAMES, row
 from .cluster import Cluster
 from .costs import Profile
@@ -53,8 +54,9 @@ def local_layouts(precision: str = "32", cluster: Cluster | None = None, profile
                   ) -> list[Layout]:
     """What fits a 2-core machine: single, ddp 2, fsdp 2, pp 2 at M in {1, 2, 4, 8} for each schedule
     (interleaved and zero-bubble with 2 stages per worker), mp 2, ddp+pp 2 x 2, tp 2, and the N-D layouts of 4
-    workers (more workers than cores: the planner must predict them slow): fsdp+tp, tp+pp and fsdp+pp; and, for a
-    `profile` they apply to (`search.expert_degrees`, `search.context_degrees`), ep 2 and fsdp+ep 2, cp 2.
+    workers (more workers than cores: the planner must predict them slow): fsdp+tp, tp+pp, fsdp+pp and HSDP
+    (ddp+fsdp, 2 replicas of 2 shards); and, for a `profile` they apply to (`search.expert_degrees`,
+    `search.context_degrees`), ep 2 and fsdp+ep 2, cp 2.
     On GPUs one worker per GPU: single, and with n GPUs ddp, fsdp and tp over all n and pp n (1F1B, M=4, 8)."""
     if cluster is not None and cluster.kind == "cuda":
         return gpu_layouts(cluster.devices, precision)
@@ -85,7 +87,8 @@ def _cpu_layouts(precision: str) -> list[Layout]:
     out += [Layout(strategy="tp", tp=2, precision=precision),
             Layout(strategy="fsdp+tp", dp=2, tp=2, precision=precision),
             Layout(strategy="tp+pp", tp=2, pp=2, schedule="1f1b", microbatches=4, precision=precision),
-            Layout(strategy="fsdp+pp", dp=2, pp=2, schedule="1f1b", microbatches=4, precision=precision)]
+            Layout(strategy="fsdp+pp", dp=2, pp=2, schedule="1f1b", microbatches=4, precision=precision),
+            Layout(strategy="ddp+fsdp", dims=dims_for("ddp+fsdp", 4, dp_replicate=2), precision=precision)]
     return out
 
 

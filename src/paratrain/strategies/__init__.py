@@ -1,6 +1,9 @@
 """Every strategy in one table: name -> module holding its `STRATEGY`, imported when first asked for.
 
-Dispatch on the strategy happens here once; nothing else branches on strategy names.
+The presets that are one axis of the grammar on every worker (`ddp`, `fsdp`, `pp`) are served by the N-D strategy
+(`nd`), as every other name of the grammar is; the one-process presets (`single`, `dp`, `mp`) and `ddp+mp` have
+files of their own. Every layout is built by `parallel.parallelize`; dispatch on the strategy happens here once,
+and facts about a strategy are asked of the object `get` returns (`Strategy`): nothing else branches on names.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ from ..errors import unknown_name
 from .base import Context, Strategy
 
 TABLE: dict[str, str] = {
-    "single": "single", "dp": "dp", "ddp": "ddp", "fsdp": "fsdp",
-    "mp": "mp", "pp": "pp", "ddp+mp": "ddp_mp",
+    "single": "single", "dp": "dp", "ddp": "nd", "fsdp": "nd",
+    "mp": "mp", "pp": "nd", "ddp+mp": "ddp_mp",
 }
 
 
@@ -25,9 +28,9 @@ def get(name: str) -> Strategy:
         if not is_grammar(name):
             raise unknown_name("strategy", name, TABLE)
         name = canonical(name)
-        if name not in TABLE:
-            nd: Strategy = importlib.import_module(f"{__name__}.nd").NDStrategy(name)
-            return nd
+    if TABLE.get(name, "nd") == "nd":
+        nd: Strategy = importlib.import_module(f"{__name__}.nd").NDStrategy(name)
+        return nd
     strategy: Strategy = importlib.import_module(f"{__name__}.{TABLE[name]}").STRATEGY
     return strategy
 

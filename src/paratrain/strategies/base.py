@@ -54,6 +54,12 @@ class Strategy(Protocol):
     """A pipeline schedule (`schedule=`) orders the micro-batches' work across processes."""
     comm_hooks: bool
     """Takes a DDP communication hook (`comm_hook=`) for its gradient all-reduce."""
+    axes: tuple[str, ...]
+    """The grammar's axes the layout is built of (`ddp`, `fsdp`, `tp`, `cp`, `ep`, `pp`); none for the presets of
+    one process and `ddp+mp`."""
+    in_process: str | None
+    """What this process's several devices are: "stages" of the model (`mp`, `ddp+mp`), "replicas" of it (`dp`,
+    torch's DataParallel), or None (one device per process). `parallel.parallelize` builds by it."""
 
     def degrees(self, config: Config, world: int) -> ParallelDims:
         """This layout's degrees on `world` workers (a preset's fixed shape, or the grammar's from the config's
@@ -67,10 +73,6 @@ class Strategy(Protocol):
 
     def devices(self, ctx: Context) -> list[torch.device]:
         """The devices this process computes on (one, or a pipeline's stage devices, or every GPU for dp)."""
-
-    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        """Place, split or shard the model into its final form; the result is what the user trains.
-        `example` (one input batch, or None) is what a split needs to trace and measure."""
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         """(replica index, replica count): which share of each global batch this rank loads."""

@@ -13,12 +13,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..collectives import max_over_world, mean_later, mean_over_world
+from ..collectives import max_over_world, mean_later
 from ..config import Config
 from ..errors import ParatrainError
-from ..parallel import parallelize
-from ..parallel.batchnorm import for_replicas
-from ..parallel.data_parallel import apply_ddp, evaluate, set_ddp_sync
+from ..parallel.data_parallel import evaluate, set_ddp_sync
 from ..parallel.dims import ParallelDims
 from ..parallel.microbatch import pipeline_bound
 from ..parallel.options import check_balance_entries
@@ -34,6 +32,8 @@ class DataModelParallel:
     microbatched = True
     scheduled = False
     comm_hooks = False
+    axes: tuple[str, ...] = ()
+    in_process = "stages"
 
     def degrees(self, config: Config, world: int) -> ParallelDims:
         """Every worker a replica (of a model split over its process's devices); `check` refuses a world this
@@ -56,14 +56,6 @@ class DataModelParallel:
 
     def devices(self, ctx: Context) -> list[torch.device]:
         return worker_devices(ctx.config.devices_per_worker, ctx.device)
-
-    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        cfg = ctx.config
-        model = for_replicas(model, cfg.batchnorm, ctx.device, ctx.placement.world_size, True, "strategy 'ddp+mp'")
-        pipe = MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example, strategy=self.name,
-                          verbose=ctx.placement.rank == 0, agree=lambda values: mean_over_world(values, ctx.device),
-                          batchnorm=cfg.batchnorm)
-        return apply_ddp(parallelize.stages(pipe, ctx), cfg, device_ids=None)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return ctx.placement.rank, ctx.placement.world_size

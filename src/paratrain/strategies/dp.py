@@ -9,7 +9,6 @@ from torch import nn
 
 from ..config import Config
 from ..errors import ParatrainError
-from ..parallel import parallelize
 from ..parallel.data_parallel import evaluate, forward_backward
 from ..parallel.dims import ParallelDims
 from .base import Backward, Context, LossFn
@@ -22,6 +21,8 @@ class DataParallel:
     microbatched = False
     scheduled = False
     comm_hooks = False
+    axes: tuple[str, ...] = ()
+    in_process = "replicas"
 
     def degrees(self, config: Config, world: int) -> ParallelDims:
         """One process (DataParallel's devices are not ranks); `check` refuses a world this layout cannot run."""
@@ -44,10 +45,6 @@ class DataParallel:
 
     def devices(self, ctx: Context) -> list[torch.device]:
         return [torch.device("cuda", i) for i in range(ctx.gpus)]
-
-    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        parallelize.blocks(model, ctx)
-        return nn.DataParallel(model.to(ctx.device))
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1

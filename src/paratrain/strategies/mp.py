@@ -14,7 +14,6 @@ from torch import nn
 
 from ..config import Config
 from ..errors import ParatrainError
-from ..parallel import parallelize
 from ..parallel.data_parallel import evaluate
 from ..parallel.dims import ParallelDims
 from ..parallel.microbatch import pipeline_bound
@@ -31,6 +30,8 @@ class ModelParallel:
     microbatched = True
     scheduled = False
     comm_hooks = False
+    axes: tuple[str, ...] = ()
+    in_process = "stages"
 
     def degrees(self, config: Config, world: int) -> ParallelDims:
         """One process (its stages' devices are not ranks); `check` refuses a world this layout cannot run."""
@@ -56,11 +57,6 @@ class ModelParallel:
 
     def devices(self, ctx: Context) -> list[torch.device]:
         return mp_devices(ctx.config.devices, ctx.device, ctx.gpus)
-
-    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        cfg = ctx.config
-        return parallelize.stages(MPPipeline(model, self.devices(ctx), cfg.microbatches, cfg.balance, example,
-                                             batchnorm=cfg.batchnorm), ctx)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1

@@ -9,7 +9,6 @@ from torch import nn
 
 from ..config import Config
 from ..errors import ParatrainError
-from ..parallel import parallelize
 from ..parallel.data_parallel import evaluate, forward_backward
 from ..parallel.dims import ParallelDims
 from .base import Backward, Context, LossFn
@@ -22,6 +21,8 @@ class Single:
     microbatched = False
     scheduled = False
     comm_hooks = False
+    axes: tuple[str, ...] = ()
+    in_process = None
 
     def degrees(self, config: Config, world: int) -> ParallelDims:
         """One process; `check` refuses a world this layout cannot run."""
@@ -39,10 +40,6 @@ class Single:
 
     def devices(self, ctx: Context) -> list[torch.device]:
         return [ctx.device]
-
-    def wrap(self, model: nn.Module, ctx: Context, example: Any) -> nn.Module:
-        parallelize.blocks(model, ctx)
-        return model.to(ctx.device)
 
     def data_shard(self, ctx: Context) -> tuple[int, int]:
         return 0, 1

@@ -4,10 +4,11 @@ to them (`dispatch`).
 The expert axis is carved from the data-parallel ranks, as torchtitan carves it: ranks that load different rows
 of the global batch also hold different experts. A grouped experts module keeps its 3-D weights as DTensors split
 on the expert dimension over the group (so checkpoints, export and a meta build see one tensor under its own name);
-a listed block keeps its own experts and calls the others through `_Remote` stand-ins. Each expert's gradient is
-then the sum over the group's tokens; `ExpertGrads` sums it over the ranks holding the same experts and divides by
-the data-parallel degree, which makes it the mean over the global batch that data parallelism gives every other
-weight (those go through FSDP or the replicas' average as usual, the experts left out of both).
+a listed block keeps its own experts and reaches the others through the group, its rows exchanged once per forward
+(`listed`). Each expert's gradient is then the sum over the group's tokens; `ExpertGrads` sums it over the ranks
+holding the same experts and divides by the data-parallel degree, which makes it the mean over the global batch
+that data parallelism gives every other weight (those go through FSDP or the replicas' average as usual, the
+experts left out of both).
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from torch import nn
 
 from ... import _forwards
 from ...errors import ParatrainError
-from ...grad_clip import SPREAD
 from ..tensor import local_part
-from . import dispatch
+from . import dispatch, listed
 from .find import Experts, find
-
-REASON = "expert parallelism (parallel.expert)"
+from .listed import REASON
 
 
 @dataclass
@@ -95,7 +94,8 @@ def apply_ep(model: nn.Module, groups: Groups) -> ExpertGrads:
         if experts.kind == "grouped":
             _split_grouped(module, experts, groups, grads)
         else:
-            _split_listed(module, experts, groups, grads)
+            block = model.get_submodule(experts.block) if experts.block else model
+            listed.split(block, module, experts, groups, grads)
     return grads
 
 
@@ -151,59 +151,6 @@ def _grouped_forward(module: nn.Module, inner: Any, experts: Experts, local: int
         back = dispatch.exchange(computed, recvs, sends, groups.group)
         weights = top_k_weights.reshape(-1)[order]
         out = torch.zeros_like(hidden_states).index_add(0, tokens, (back * weights[:, None]).to(hidden_states.dtype))
-        if out.requires_grad:
-            out.register_hook(grads.queue)
-        return out
-
-    return forward
-
-
-class _Remote(nn.Module):
-    """An expert another rank of the group holds: its rows go there and come back computed."""
-
-    def __init__(self, index: int, owner: int, groups: Groups, where: str) -> None:
-        super().__init__()
-        self.index, self.owner, self.groups, self.where = index, owner, groups, where
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _call_expert(None, self.index, self.owner, self.groups, self.where, x)
-
-    def extra_repr(self) -> str:
-        return f"expert {self.index} on expert-parallel rank {self.owner}"
-
-
-def _call_expert(inner: Any, index: int, owner: int, groups: Groups, where: str, x: torch.Tensor) -> torch.Tensor:
-    """One expert's call on every rank of the group at once: every rank's rows to the owner, the results back."""
-    rows = dispatch.agree(index, x.shape[0], groups.group, groups.size, where)
-    to_owner = [x.shape[0] if r == owner else 0 for r in range(groups.size)]
-    mine = rows if groups.rank == owner else [0] * groups.size
-    gathered = dispatch.exchange(x, to_owner, mine, groups.group)
-    computed = inner(gathered) if inner is not None else gathered
-    if computed.shape[1:] != x.shape[1:]:
-        raise ParatrainError(
-            f"expert parallelism: expert {index} of {where} maps rows of shape {tuple(x.shape[1:])} to "
-            f"{tuple(computed.shape[1:])}; a listed expert must keep the row shape (a feed-forward block)")
-    return dispatch.exchange(computed, mine, to_owner, groups.group)
-
-
-def _split_listed(experts_list: nn.Module, experts: Experts, groups: Groups, grads: ExpertGrads) -> None:
-    assert isinstance(experts_list, nn.ModuleList)
-    local = experts.count // groups.size
-    for index in range(experts.count):
-        owner = index // local
-        if owner != groups.rank:
-            experts_list[index] = _Remote(index, owner, groups, experts.block or experts.path)
-            continue
-        module = experts_list[index]
-        grads.params.extend(p for p in module.parameters() if p.requires_grad)
-        for p in module.parameters():  # the group's ranks hold these between them (whole-model gradient norms)
-            setattr(p, SPREAD, groups.group)
-        _forwards.replace(module, _owned_forward(module.forward, index, owner, groups, experts, grads), REASON)
-
-
-def _owned_forward(inner: Any, index: int, owner: int, groups: Groups, experts: Experts, grads: ExpertGrads) -> Any:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        out = _call_expert(inner, index, owner, groups, experts.block or experts.path, x)
         if out.requires_grad:
             out.register_hook(grads.queue)
         return out
