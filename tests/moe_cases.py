@@ -139,6 +139,24 @@ class Decoder(nn.Module):
         return logits, sum(block.moe.aux for block in self.blocks)  # type: ignore[misc]
 
 
+class Embed(nn.Module):
+    """The user decoder's token and position embedding as a block of its own (`sequential`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids) + self.pos[: ids.shape[1]]
+
+
+def sequential() -> nn.Sequential:
+    """The user MoE decoder written as an nn.Sequential of its blocks: pipeline stages that call them as themselves,
+    which expert parallelism can live in (`ep+pp` on a user model)."""
+    return nn.Sequential(Embed(), Block(WIDTH, None), Block(WIDTH, None), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB))
+
+
 class Rope(nn.Module):
     """Rotary position embedding of the positions it is given (global ones under context parallelism)."""
 
@@ -207,6 +225,8 @@ def build(name: str) -> nn.Module:
         for block in model.blocks:
             block.qkv.bias = None  # type: ignore[union-attr]
         return model
+    if name == "user-seq":
+        return sequential()
     if name == "user-grouped":
         return Decoder(grouped=True)
     if name in ("user-aux", "user-aux-global"):

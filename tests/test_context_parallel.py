@@ -173,12 +173,21 @@ def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_
 
 
 def test_a_pipeline_with_cp_or_ep_inside_its_stages_takes_a_decoders_own_blocks_or_refuses() -> None:
-    """Stages that hold expert or context parallelism are a transformers decoder's own blocks (`pipeline.blocks`):
-    a user model would be traced, and a traced stage runs neither the dispatch nor attention over the shares."""
+    """Stages that hold expert or context parallelism are a transformers decoder's own blocks (`pipeline.blocks`),
+    or, for expert parallelism, the children of a user's nn.Sequential: any other model would be traced, and a
+    traced stage runs neither the dispatch nor attention over the shares."""
+    from paratrain.parallel.context import Share
     from paratrain.parallel.pipeline.blocks import decoder_layers
+    from paratrain.parallel.pipeline.partition import layers_of
 
-    with pytest.raises(ParatrainError, match="RopeDecoder is not a decoder-only causal LM as transformers builds it"):
-        decoder_layers(cases.build("rope"), None)
+    with pytest.raises(ParatrainError, match="RopeDecoder is not a decoder-only causal LM as transformers builds it.*"
+                                             "an nn.Sequential of its blocks"):
+        decoder_layers(cases.build("rope"), None)  # ep alone: a user model's own blocks as an nn.Sequential
+    seq = cases.build("user-seq")
+    assert [layer for _, layer in layers_of(seq, own_blocks=True)] == list(seq)  # called as themselves, no trace
+    share = Share(None, 2, 0)
+    with pytest.raises(ParatrainError, match="Sequential is not a decoder-only.*drop 'cp' or 'pp'.*positions"):
+        layers_of(seq, own_blocks=True, share=share)  # cp: no positions cross a Sequential's cuts
     chain = decoder_layers(cases.build("llama"), None)
     assert [name for name, _ in chain] == ["entry", "model.layers.0", "model.layers.1", "exit"]
     names = {n for _, layer in chain for n, _ in layer.named_parameters()}

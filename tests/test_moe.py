@@ -32,7 +32,8 @@ RUNS = (("ep", 2, ("user", "user-grouped", "mixtral", "qwen2_moe", "user-aux-glo
         ("fsdp+ep:2", 4, ("user-aux-global", "qwen2_moe", "user-clip", "mixtral-clip"), 2),
         ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1),
         ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip"), 2),
-        ("ep+pp", 4, ("mixtral", "qwen2_moe"), 2), ("fsdp+ep+pp", 4, ("mixtral", "qwen2_moe"), 2),
+        ("ep+pp", 4, ("mixtral", "qwen2_moe", "user-seq"), 2),
+        ("fsdp+ep+pp", 4, ("mixtral", "qwen2_moe", "user-seq"), 2),
         ("tp+ep+pp", 8, ("mixtral", "qwen2_moe"), 2))
 """(layout[:ep_size], world, models, ranks of one expert group: each holds EXPERTS / that many experts). Under
 `fsdp+tp+ep` the attention is split over the tensor ranks and the experts over the expert ranks (the library's

@@ -314,7 +314,7 @@ def measure(model: nn.Module, batch: Batch, loss_fn: nn.Module, sizes: Sequence[
         precision=precision, optimizer=optimizer, step_overhead_s=max(0.0, whole - parts), tp_width=split.width,
         tp_note=split.note, built="meta" if meta else "whole", top_k=facts.top_k, sequence=facts.sequence,
         position_ids=facts.position_ids, context_refused=facts.context_refused, masked_attention=masked,
-        own_blocks=decoder_parts(model) is not None,
+        own_blocks=decoder_parts(model) is not None, sequential=isinstance(model, nn.Sequential),
         axes_note="; ".join(facts.notes) or None,
         loss_s=(seconds_at[largest][-1][0] / largest, seconds_at[largest][-1][1] / largest), copy_s_per_byte=copy,
     )

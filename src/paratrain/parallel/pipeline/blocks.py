@@ -70,12 +70,15 @@ def decoder_layers(model: nn.Module, share: Share | None) -> list[tuple[str, nn.
     """The chain of a decoder's stages-to-be (see the module docstring), or a refusal naming why not."""
     found = decoder_parts(model)
     if found is None:
+        fix = ("drop 'cp' or 'pp' from the strategy (context parallelism inside a pipeline needs the positions a "
+               "transformers decoder passes across its cuts)" if share is not None else
+               "write the model as an nn.Sequential of its blocks (embedding, blocks, head: each stage then calls "
+               "them as themselves), or drop 'ep' or 'pp' from the strategy")
         raise ParatrainError(
             f"pipeline stages that hold expert or context parallelism are made of the model's own blocks, and "
             f"{type(model).__name__} is not a decoder-only causal LM as transformers builds it (model.embed_tokens, "
             "model.layers, model.rotary_emb, model.norm, lm_head), so it would be traced, and a traced stage cannot "
-            "run an expert dispatch or attention over the sequence's shares; drop 'ep'/'cp' or 'pp' from the "
-            "strategy")
+            f"run an expert dispatch or attention over the sequence's shares; {fix}")
     prefix, base = found
     config = model.config
     layers = cast(nn.ModuleList, base.layers)
