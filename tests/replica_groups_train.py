@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     parser.add_argument("--kill", default=None, help="G@S[:PHASE]: group G's worker dies at step S (once)")
     parser.add_argument("--rejoin-kill", choices=("recovery", "first-step"), default=None)
     parser.add_argument("--kill-all", type=int, default=None, help="every group's worker dies at step S (once)")
@@ -60,7 +61,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     layout = {"strategy": args.strategy} | ({"balance": args.balance} if args.balance else {})
-    run = paratrain.setup(**layout, seed=3, checkpoint_dir=str(out / "ckpt") if args.save_every else None)
+    run = paratrain.setup(**layout, seed=3, grad_accum=args.grad_accum,
+                          checkpoint_dir=str(out / "ckpt") if args.save_every else None)
     groups = run.replica_groups
     group = groups.launch.index if groups is not None else -1
     name = f"group{group}" if groups is not None else "single"
@@ -116,6 +118,7 @@ def main() -> None:
                 "groups": groups.manager.num_participants() if groups is not None else 1}
         with open(out / f"steps-{name}-rank{run.rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
+        now["ids"] = []  # the next window's rows
         if due("optimizer"):
             die("killed")
 
@@ -140,13 +143,15 @@ def main() -> None:
     while loader.epoch < args.epochs:
         for ids, x, y in loader:
             now["step"] = done()  # this step's index under replica groups (their position moves on a commit)
-            now["ids"] = ids.tolist()
+            now["ids"] += ids.tolist()  # every micro-batch of the window (grad_accum > 1)
             run.forward_backward(model, x, y, torch.nn.MSELoss())
             if due("reduce"):
                 die("killed")
             redone = groups.redone if groups is not None else 0
             optimizer.step()
             optimizer.zero_grad()
+            if groups is not None and groups.redone != redone:
+                now["ids"] = []  # dropped: the window's rows come again
             if groups is None or groups.redone == redone:  # committed (a dropped step comes again)
                 state["step"], trained = done(), trained + 1
                 if args.save_every and group <= 0 and state["step"] % args.save_every == 0:

@@ -163,6 +163,27 @@ def test_a_group_killed_in_any_phase_and_again_while_rejoining_ends_exact(
 
 
 @pytest.mark.procs
+def test_accumulation_windows_are_cut_over_the_groups_alive_and_a_killed_one_redone(
+        tmp_path: Path, reference: Reference) -> None:
+    """`grad_accum=2`: each window of a global batch is cut over the live groups' micro-batches. Group 1 dies after
+    the first micro-batch of step 4's window; group 0 drops the window once its reduction fails and trains it again
+    alone, in two micro-batches of the whole batch's rows; the restarted group rejoins; both end with the weights of
+    one process accumulating the same windows (and of one taking each global batch whole), every sample once per
+    epoch."""
+    args = ("--samples", str(SAMPLES), "--global-batch", str(BATCH), "--grad-accum", "2")
+    log = _groups(tmp_path, ("--max-restarts", "1"), (*args, "--kill", "1@4", "--pace", "0.25"))
+    assert (tmp_path / "killed").exists(), log[-5000:]
+    survivor, restarted = _report(tmp_path, 0), _report(tmp_path, 1)
+    assert survivor["redone"] >= 1 and restarted["recovered"] == 1, (survivor, restarted, log[-5000:])
+    assert _pids(tmp_path, 0) == [str(survivor["pid"])]
+    for group in (0, 1):
+        assert max_diff(torch.load(tmp_path / f"weights-group{group}-rank0.pt"), reference(*args)) < 1e-6
+    plain = reference("--samples", str(SAMPLES), "--global-batch", str(BATCH))
+    assert max_diff(reference(*args), plain) < 1e-5  # the same global batches' sums, accumulated or not
+    _each_sample_once([r for g in range(2) for r in _committed(tmp_path, g)], epochs=2)
+
+
+@pytest.mark.procs
 def test_every_group_lost_resumes_from_the_last_checkpoint(tmp_path: Path, reference: Reference) -> None:
     """Every group's worker dies in the forward of step 14: no live group is left to recover from. Each agent
     restarts its group; no group finds a running one, so each loads the newest complete checkpoint group 0 wrote
