@@ -22,6 +22,7 @@ from torch.nn import functional as F
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 VOCAB, SEQ, ROWS, GLOBAL_BATCH, WIDTH, EXPERTS = 64, 8, 24, 8, 32, 4
+HEAD_DIM = WIDTH // 4
 LONG, LONG_SEQ = ("rope", "rope-ignored", "llama", "llama-nocache"), 64
 AUX = 0.01
 CLIP, CLIPPED = 0.5, ("user-clip", "mixtral-clip")
@@ -114,8 +115,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, 4, c // 4).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, c))
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, -1, HEAD_DIM).permute(2, 0, 3, 1, 4)  # heads: what it holds
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
         return x + self.moe(self.ln2(x))
 
 

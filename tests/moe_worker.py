@@ -55,9 +55,20 @@ def main() -> None:
                 run.save(state, path=os.environ["MOE_SAVE"])
                 break
         run.export(prepared, os.path.join(out, name))
-        held[name] = {**cases.experts_held(name, run.unwrap(prepared)), "tokens": [tokens[name]]}
+        held[name] = {**cases.experts_held(name, run.unwrap(prepared)), "tokens": [tokens[name]],
+                      "tensor": [tensor_sharded(run.unwrap(prepared))]}
     meta_cases.record(run, out, losses, held)
     run.close()
+
+
+def tensor_sharded(model: nn.Module) -> int:
+    """Parameters this rank holds a tensor-parallel slice of (sharded over a mesh dimension named "tp")."""
+    count = 0
+    for p in model.parameters():
+        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", ())
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        count += any(name == "tp" and place.is_shard() for name, place in zip(names, placements))
+    return count
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def test_context_parallel_layouts_match_plain_pytorch(layout: str, world: int, n
     for rank in range(world):  # each rank's model saw its share of every sequence
         seen = json.loads((tmp_path / f"held-{rank}.json").read_text())
         assert all(seen[name]["tokens"] == [cases.LONG_SEQ // cp] for name in names), (rank, seen)
+        assert all((seen[name]["tensor"][0] > 0) == ("tp" in layout.split("+")) for name in names), (rank, seen)
     for name in names:
         with step_state.using(step_state.StepState()):  # one process, outside any run an earlier test left active
             ref, ref_losses = cases.plain(name)

@@ -31,13 +31,14 @@ RUNS = (("ep", 2, ("user", "user-grouped", "mixtral", "qwen2_moe", "user-aux-glo
         ("fsdp+ep", 4, ("user", "mixtral", "mixtral-aux", "user-adamw"), 4),
         ("fsdp+ep:2", 4, ("user-aux-global", "qwen2_moe", "user-clip", "mixtral-clip"), 2),
         ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1),
-        ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip"), 2),
+        ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip", "user"), 2),
         ("ep+pp", 4, ("mixtral", "qwen2_moe", "user-seq"), 2),
         ("fsdp+ep+pp", 4, ("mixtral", "qwen2_moe", "user-seq"), 2),
-        ("tp+ep+pp", 8, ("mixtral", "qwen2_moe"), 2))
+        ("tp+ep+pp", 8, ("mixtral", "qwen2_moe", "user-seq"), 2))
 """(layout[:ep_size], world, models, ranks of one expert group: each holds EXPERTS / that many experts). Under
 `fsdp+tp+ep` the attention is split over the tensor ranks and the experts over the expert ranks (the library's
-plan without its expert entries); the two ranks of a tensor group hold the same experts."""
+plan without its expert entries; the user decoder's found by structure); the two ranks of a tensor group hold the same
+experts. `user-seq` is the user decoder as an nn.Sequential of its blocks, whose children are the pipeline's stages."""
 CHECKPOINTED = {"fsdp+ep:2": "selective", "fsdp+tp+ep": "full"}
 """Runs with activation checkpointing, applied after the expert step (`parallel.parallelize`): the recomputation
 dispatches the tokens again; under "selective" Hugging Face's default cache is off in training forwards."""
@@ -69,8 +70,9 @@ def test_moe_layouts_match_plain_pytorch(layout: str, world: int, names: tuple[s
         worst = max((float((got[k] - ref[k]).abs().max()), k) for k in ref)
         assert worst[0] < 1e-5, f"{name} under {layout}: weights differ from the plain loop's: {worst}"
         pp = dims_for(layout.partition(":")[0], world).pp
-        paths = {p for h in held for p in h[name]} - {"tokens"}
-        assert all(len(set(h[name]) - {"tokens"}) == len(paths) // pp for h in held)  # a stage's MoE layers only
+        paths = {p for h in held for p in h[name]} - {"tokens", "tensor"}
+        assert all(len(set(h[name]) - {"tokens", "tensor"}) == len(paths) // pp for h in held)  # a stage's layers
+        assert all((h[name]["tensor"][0] > 0) == ("tp" in layout.split("+")) for h in held), (name, held)
         for path in paths:
             shares = [h[name][path] for h in held if path in h[name]]
             assert len(shares) == world // pp, f"{name} {path}: held by {len(shares)} ranks"
