@@ -209,6 +209,9 @@ class RopeDecoder(nn.Module):
 
 
 def build(name: str) -> nn.Module:
+    if name.endswith("-meta"):  # built with no storage: each rank's layout materialises its share (`plain` too)
+        with torch.device("meta"):
+            return build(name.removesuffix("-meta"))
     torch.manual_seed(0)
     if name in ("rope", "rope-ignored"):  # -ignored: targets of -100 the loss leaves out, unevenly over the shares
         return RopeDecoder()
@@ -249,7 +252,7 @@ def build(name: str) -> nn.Module:
 
 def data(name: str = "user") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCAB, (ROWS, (LONG_SEQ if name in LONG else SEQ) + 1), generator=g)
+    ids = torch.randint(0, VOCAB, (ROWS, (LONG_SEQ if name.removesuffix("-meta") in LONG else SEQ) + 1), generator=g)
     targets = ids[:, 1:].contiguous()
     if name == "rope-ignored":
         targets[::2, :20] = -100  # every other row's first 20 targets: most of them in rank 0's head chunk
@@ -275,8 +278,13 @@ def optimizer(model: nn.Module, name: str = "") -> torch.optim.Optimizer:
 
 
 def plain(name: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The same steps in one process: the reference every layout is held to."""
+    """The same steps in one process: the reference every layout is held to (a meta-built model given the values
+    its modules' own initialisation gives it under every layout, `paratrain.weights`)."""
     model = build(name)
+    if name.endswith("-meta"):
+        from paratrain import weights
+
+        weights.materialize(model, weights.source_for(model, 0, None), torch.device("cpu"))
     opt = optimizer(model, name)
     x, y = data(name)
     losses = []

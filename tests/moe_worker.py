@@ -32,7 +32,8 @@ def main() -> None:
                           loss=os.environ.get("MOE_LOSS", "any"))
     losses: dict[str, list[float]] = {}
     held: dict[str, dict[str, list[int]]] = {}
-    tokens: dict[str, int] = {}  # the sequence length each model's embedding saw last: the rank's share
+    tokens: dict[str, int] = {}  # the sequence length each model's embedding saw last: the rank's share (none: a
+    # meta-built model's later pipeline stages, which measure their own layers only)
     for name in names:
         model = cases.build(name)
         x, y = cases.data(name)
@@ -55,7 +56,7 @@ def main() -> None:
                 run.save(state, path=os.environ["MOE_SAVE"])
                 break
         run.export(prepared, os.path.join(out, name))
-        held[name] = {**cases.experts_held(name, run.unwrap(prepared)), "tokens": [tokens[name]],
+        held[name] = {**cases.experts_held(name, run.unwrap(prepared)), "tokens": [tokens.get(name, 0)],
                       "tensor": [tensor_sharded(run.unwrap(prepared))]}
     meta_cases.record(run, out, losses, held)
     run.close()

@@ -32,13 +32,14 @@ RUNS = (("ep", 2, ("user", "user-grouped", "mixtral", "qwen2_moe", "user-aux-glo
         ("fsdp+ep:2", 4, ("user-aux-global", "qwen2_moe", "user-clip", "mixtral-clip"), 2),
         ("ddp", 2, ("user-aux-global", "mixtral-aux"), 1),
         ("fsdp+tp+ep", 4, ("mixtral", "qwen2_moe", "mixtral-aux", "mixtral-clip", "user"), 2),
-        ("ep+pp", 4, ("mixtral", "qwen2_moe", "user-seq"), 2),
+        ("ep+pp", 4, ("mixtral", "qwen2_moe", "user-seq", "mixtral-meta"), 2),
         ("fsdp+ep+pp", 4, ("mixtral", "qwen2_moe", "user-seq"), 2),
         ("tp+ep+pp", 8, ("mixtral", "qwen2_moe", "user-seq"), 2))
 """(layout[:ep_size], world, models, ranks of one expert group: each holds EXPERTS / that many experts). Under
 `fsdp+tp+ep` the attention is split over the tensor ranks and the experts over the expert ranks (the library's
 plan without its expert entries; the user decoder's found by structure); the two ranks of a tensor group hold the same
-experts. `user-seq` is the user decoder as an nn.Sequential of its blocks, whose children are the pipeline's stages."""
+experts. `user-seq` is the user decoder as an nn.Sequential of its blocks, whose children are the pipeline's stages;
+`-meta` a model built on the meta device, each rank materialising its stage's layers and, of those, its experts."""
 CHECKPOINTED = {"fsdp+ep:2": "selective", "fsdp+tp+ep": "full"}
 """Runs with activation checkpointing, applied after the expert step (`parallel.parallelize`): the recomputation
 dispatches the tokens again; under "selective" Hugging Face's default cache is off in training forwards."""
