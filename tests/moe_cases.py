@@ -23,7 +23,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 VOCAB, SEQ, ROWS, GLOBAL_BATCH, WIDTH, EXPERTS = 64, 8, 24, 8, 32, 4
 HEAD_DIM = WIDTH // 4
-LONG, LONG_SEQ = ("rope", "rope-ignored", "llama", "llama-nocache"), 64
+LONG, LONG_SEQ = ("rope", "rope-ignored", "rope-seq", "llama", "llama-nocache"), 64
 AUX = 0.01
 CLIP, CLIPPED = 0.5, ("user-clip", "mixtral-clip")
 """Models trained with their gradient clipped by the whole model's norm (`run.clip_grad_norm_`)."""
@@ -191,6 +191,16 @@ class RopeBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class SeqRopeBlock(RopeBlock):
+    """A RoPE block for an nn.Sequential: one process calls it with the hidden states alone (positions 0..length-1);
+    context parallelism inside a pipeline passes each rank's global positions (`rope-seq`)."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device)[None].expand(x.shape[0], -1)
+        return super().forward(x, position_ids)
+
+
 class RopeDecoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -215,6 +225,9 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name in ("rope", "rope-ignored"):  # -ignored: targets of -100 the loss leaves out, unevenly over the shares
         return RopeDecoder()
+    if name == "rope-seq":  # the RoPE decoder as an nn.Sequential of its blocks
+        return nn.Sequential(nn.Embedding(VOCAB, WIDTH), SeqRopeBlock(WIDTH), SeqRopeBlock(WIDTH), nn.LayerNorm(WIDTH),
+                             nn.Linear(WIDTH, VOCAB))
     if name in ("llama", "llama-nocache"):
         import transformers as tf
 

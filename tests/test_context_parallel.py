@@ -27,7 +27,7 @@ from paratrain.parallel.dims import dims_for
 RUNS = (("cp", 2, ("rope", "llama", "llama-nocache")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
         ("tp+cp", 4, ("llama", "llama-nocache")), ("ddp+fsdp+cp", 8, ("rope", "llama")),
         ("cp-token_mean", 2, ("rope", "rope-ignored", "llama")), ("fsdp+cp-token_mean", 4, ("rope-ignored",)),
-        ("cp+pp", 4, ("llama", "llama-nocache", "llama-meta")), ("fsdp+cp+pp", 8, ("llama",)),
+        ("cp+pp", 4, ("llama", "llama-nocache", "llama-meta", "rope-seq")), ("fsdp+cp+pp", 8, ("llama", "rope-seq")),
         ("tp+cp+pp", 8, ("llama-nocache",)))
 """A layout `NAME-token_mean` is told the loss is a token mean (`setup(loss="token_mean")`): each rank takes its own
 tokens' loss, no logits gathered ("rope-ignored" leaves targets of -100 out, unevenly over the shares); `-meta` a
@@ -177,9 +177,9 @@ def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_
 
 
 def test_a_pipeline_with_cp_or_ep_inside_its_stages_takes_a_decoders_own_blocks_or_refuses() -> None:
-    """Stages that hold expert or context parallelism are a transformers decoder's own blocks (`pipeline.blocks`),
-    or, for expert parallelism, the children of a user's nn.Sequential: any other model would be traced, and a
-    traced stage runs neither the dispatch nor attention over the shares."""
+    """Stages that hold expert or context parallelism are a transformers decoder's own blocks (`pipeline.blocks`)
+    or the children of a user's nn.Sequential (under cp, given the positions where they take them): any other model
+    would be traced, and a traced stage runs neither the dispatch nor attention over the shares."""
     from paratrain.parallel.context import Share
     from paratrain.parallel.pipeline.blocks import decoder_layers
     from paratrain.parallel.pipeline.partition import layers_of
@@ -190,8 +190,13 @@ def test_a_pipeline_with_cp_or_ep_inside_its_stages_takes_a_decoders_own_blocks_
     seq = cases.build("user-seq")
     assert [layer for _, layer in layers_of(seq, own_blocks=True)] == list(seq)  # called as themselves, no trace
     share = Share(None, 2, 0)
-    with pytest.raises(ParatrainError, match="Sequential is not a decoder-only.*drop 'cp' or 'pp'.*positions"):
-        layers_of(seq, own_blocks=True, share=share)  # cp: no positions cross a Sequential's cuts
+    with pytest.raises(ParatrainError, match=r"no child of the nn.Sequential \(0, 1, 2, 3, 4\) takes position_ids.*"
+                                             "drop 'cp' or 'pp'"):
+        layers_of(seq, own_blocks=True, share=share)  # cp: its position embedding would number each share from 0
+    rope = cases.build("rope-seq")
+    chain = layers_of(rope, own_blocks=True, share=share)
+    assert [name for name, _ in chain] == ["0", "1", "2", "3", "4"]
+    assert {n for _, layer in chain for n, _ in layer.named_parameters()} == {n for n, _ in rope.named_parameters()}
     chain = decoder_layers(cases.build("llama"), None)
     assert [name for name, _ in chain] == ["entry", "model.layers.0", "model.layers.1", "exit"]
     names = {n for _, layer in chain for n, _ in layer.named_parameters()}

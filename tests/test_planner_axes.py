@@ -292,10 +292,12 @@ def test_the_search_proposes_ep_for_experts_and_cp_for_attention_it_can_share(pr
         assert inside, name
         assert f"{axis}+pp" in {label.split(" ")[0] for label in inside} or f"fsdp+{axis}+pp" in {
             label.split(" ")[0] for label in inside}, inside
-    for name in ("moe", "long"):  # an nn.Sequential's children are stages that ep can live in, cp cannot
-        inside = {x.label.split(" ")[0] for x in _proposed(replace(profiles[name], sequential=True), devices=8)
-                  if x.pp > 1 and (x.ep > 1 or x.cp > 1)}
-        assert (inside and all("ep" in label.split("+") for label in inside)) if name == "moe" else not inside, inside
+    for name, axis in (("moe", "ep"), ("long", "cp")):  # an nn.Sequential's children are stages that ep and cp live in
+        seq = replace(profiles[name], own_blocks=False, sequential=True)
+        inside = {x.label.split(" ")[0] for x in _proposed(seq, devices=8) if x.pp > 1 and (x.ep > 1 or x.cp > 1)}
+        assert any(axis in label.split("+") for label in inside), inside
+        traced = replace(seq, sequential=False)
+        assert not [x for x in _proposed(traced, devices=8) if x.pp > 1 and (x.ep > 1 or x.cp > 1)]
     ep = next(x for x in _proposed(profiles["moe"]) if x.strategy == "fsdp+ep" and x.ep == 2)
     assert ep.label == "fsdp+ep 4 (ep=2)" and ep.setup_kwargs(_cluster())["ep_size"] == 2
     assert Layout(strategy="tp+cp", tp=2, cp=2).label == "tp+cp 2x2"

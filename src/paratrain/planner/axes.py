@@ -275,10 +275,9 @@ def refused(dims: ParallelDims) -> str | None:
 
 def problem(profile: Profile, dims: ParallelDims) -> str | None:
     """Why this model cannot run with these degrees (None: it can)."""
-    if dims.pp > 1 and (dims.cp > 1 or dims.ep > 1) and not profile.own_blocks and (
-            dims.cp > 1 or not profile.sequential):
+    if dims.pp > 1 and (dims.cp > 1 or dims.ep > 1) and not (profile.own_blocks or profile.sequential):
         return ("expert and context parallelism inside pipeline stages need stages of the model's own blocks (a "
-                "transformers decoder, parallel.pipeline.blocks; for ep alone, an nn.Sequential); this model would "
+                "transformers decoder or an nn.Sequential's children, parallel.pipeline.blocks); this model would "
                 "be traced")
     return refused(dims) or next((why for axis in active(dims) for why in [axis.problem(profile, dims)] if why), None)
 

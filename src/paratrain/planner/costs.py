@@ -147,8 +147,8 @@ class Profile:
     """Its pipeline stages can be its own blocks (a transformers decoder: `parallel.pipeline.blocks`), which expert
     and context parallelism need inside a pipeline; other models are traced to be split."""
     sequential: bool = False
-    """An nn.Sequential: its children are its stages, called as themselves, so expert parallelism can live inside a
-    pipeline of them (context parallelism cannot: no positions cross the cuts)."""
+    """An nn.Sequential: its children are its stages, called as themselves, so expert and context parallelism can
+    live inside a pipeline of them (`parallel.pipeline.blocks.sequential_layers`)."""
     masked_attention: float = 1.0
     """Seconds of attention from half the queries to every key under an explicit causal mask (what a context-parallel
     rank runs) over half of causal attention's seconds (what the profiled layers ran): the kernel skips the masked

@@ -1,4 +1,5 @@
-"""Pipeline stages made of a Hugging Face decoder's own modules, called as themselves: no tracing.
+"""Pipeline stages made of a model's own modules, called as themselves: no tracing (a Hugging Face decoder's
+blocks, or under `cp` a user nn.Sequential's children, `sequential_layers`).
 
 A traced stage computes aten ops with every shape the trace saw written in, so what other axes put inside a block
 at run time cannot live there: the expert dispatch (`ep`: tokens travel to the rank holding their expert) and the
@@ -13,6 +14,10 @@ Each block builds its attention mask as the model's forward does (`create_causal
 per layer type, with the cache the model would build), so a stage computes what the same layers compute in the
 unsplit model. Under `cp` the entry cuts each row to this rank's share, every block attends over the group
 (`context.Share`), and the exit gathers the logits back into whole rows for the loss.
+
+A user nn.Sequential's children are such a chain already: expert parallelism lives in them as they are; under `cp`
+each is held the same way, the first cutting the rows, the global positions crossing the cuts to every child whose
+forward takes `position_ids`, the last gathering the outputs.
 
 The holders register the modules under their paths in the model (`model.layers.3`), as traced segments do, so
 checkpoints, exports and plans see the model's own names.
@@ -70,10 +75,9 @@ def decoder_layers(model: nn.Module, share: Share | None) -> list[tuple[str, nn.
     """The chain of a decoder's stages-to-be (see the module docstring), or a refusal naming why not."""
     found = decoder_parts(model)
     if found is None:
-        fix = ("drop 'cp' or 'pp' from the strategy (context parallelism inside a pipeline needs the positions a "
-               "transformers decoder passes across its cuts)" if share is not None else
-               "write the model as an nn.Sequential of its blocks (embedding, blocks, head: each stage then calls "
-               "them as themselves), or drop 'ep' or 'pp' from the strategy")
+        fix = ("write the model as an nn.Sequential of its blocks (embedding, blocks, head: each stage then calls "
+               "them as themselves, the positions passed to those that take position_ids), or drop "
+               f"'{'cp' if share is not None else 'ep'}' or 'pp' from the strategy")
         raise ParatrainError(
             f"pipeline stages that hold expert or context parallelism are made of the model's own blocks, and "
             f"{type(model).__name__} is not a decoder-only causal LM as transformers builds it (model.embed_tokens, "
@@ -92,6 +96,56 @@ def decoder_layers(model: nn.Module, share: Share | None) -> list[tuple[str, nn.
         chain.append((f"{prefix}.layers.{i}", _Block(prefix, base, i, layer, share)))
     chain.append(("exit", _Exit(prefix, base, cast(nn.Module, model.lm_head), share)))
     return chain
+
+
+def sequential_layers(model: nn.Sequential, share: Share) -> list[tuple[str, nn.Module]]:
+    """A user nn.Sequential's children as the stages-to-be of context parallelism inside a pipeline: the first cuts
+    each row to this rank's share, every child attends over the group, the last gathers its outputs into whole rows;
+    the global positions cross every cut and go to each child whose forward takes `position_ids` (its rotary or
+    absolute embeddings number the share's tokens by them), or a refusal where no child takes them."""
+    from ..context import takes_positions
+
+    children = list(model.named_children())
+    if not any(takes_positions(child) for _, child in children):
+        names = ", ".join(name for name, _ in children)
+        raise ParatrainError(
+            f"context parallelism inside a pipeline: no child of the nn.Sequential ({names}) takes position_ids, "
+            "so its position embeddings would number each rank's share of the sequence from 0; "
+            "give the blocks that use positions a `position_ids=None` argument (positions 0..length-1 when it is "
+            "absent, as in one process), or drop 'cp' or 'pp' from the strategy")
+    last = len(children) - 1
+    return [(name, _Child(name, child, share, i == 0, i == last)) for i, (name, child) in enumerate(children)]
+
+
+class _Child(PathHolder):
+    _child: nn.Module
+    _share: Share
+    _first: bool
+    _last: bool
+    _positions: bool
+
+    def __init__(self, name: str, child: nn.Module, share: Share, first: bool, last: bool) -> None:
+        from ..context import takes_positions
+
+        super().__init__({name: child})
+        self.__dict__.update(_child=child, _share=share, _first=first, _last=last, _positions=takes_positions(child))
+
+    def forward(self, value: Any) -> Any:
+        share = self._share
+        if self._first:
+            if not isinstance(value, torch.Tensor):
+                raise ParatrainError(f"a pipeline of an nn.Sequential's children under context parallelism takes one "
+                                     f"tensor of token ids, not {type(value).__name__}")
+            length = value.shape[1]
+            positions = torch.arange(length, device=value.device)[None].expand(value.shape[0], -1)
+            value, positions = share.cut((value, positions), length)
+            positions = positions.contiguous()
+        else:
+            value, positions = value
+        whole = positions.shape[1] * share.size
+        with share.attending(whole):
+            out = self._child(value, position_ids=positions) if self._positions else self._child(value)
+        return share.whole(out, whole) if self._last else (out, positions)
 
 
 def _part(base: nn.Module, name: str) -> nn.Module:

@@ -195,11 +195,11 @@ def layers_of(model: nn.Module, example: Any = None, defer_batchnorm: bool = Fal
     sharded by tensor parallelism, which a traced segment calls as themselves (`tensor.traced`). `own_blocks`
     (expert or context parallelism inside the stages, `share` the latter's) makes the chain of a decoder's own
     blocks instead of a trace (`blocks`); an nn.Sequential's children are its own blocks already, which expert
-    parallelism can live in (context parallelism needs a decoder's positions crossing the cuts)."""
+    parallelism lives in as they are and context parallelism with the positions crossing the cuts."""
     if own_blocks and not (isinstance(model, nn.Sequential) and share is None):
-        from .blocks import decoder_layers
+        from .blocks import decoder_layers, sequential_layers
 
-        return decoder_layers(model, share)
+        return sequential_layers(model, share) if isinstance(model, nn.Sequential) else decoder_layers(model, share)
     if isinstance(model, nn.Sequential):
         if defer_batchnorm:
             defer_modules(model)
