@@ -24,7 +24,8 @@ from paratrain.parallel import step_state
 from paratrain.parallel.context import Documents, apply_cp, means_causal, packed_documents, shares
 from paratrain.parallel.dims import dims_for
 
-RUNS = (("cp", 2, ("rope", "llama", "llama-nocache")), ("fsdp+cp", 4, ("rope", "llama")), ("cp", 4, ("rope",)),
+RUNS = (("cp", 2, ("rope", "llama", "llama-nocache", "rope-seq")), ("fsdp+cp", 4, ("rope", "llama")),
+        ("cp", 4, ("rope",)),
         ("tp+cp", 4, ("llama", "llama-nocache")), ("ddp+fsdp+cp", 8, ("rope", "llama")),
         ("cp-token_mean", 2, ("rope", "rope-ignored", "llama")), ("fsdp+cp-token_mean", 4, ("rope-ignored",)),
         ("cp+pp", 4, ("llama", "llama-nocache", "llama-meta", "rope-seq")), ("fsdp+cp+pp", 8, ("llama", "rope-seq")),

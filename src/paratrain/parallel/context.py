@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -290,13 +290,13 @@ class Share:
 
 def apply_cp(model: nn.Module, group: Any, size: int, rank: int) -> nn.Module:
     """Make `model`'s forward run on this rank's share of each sequence (see the module docstring)."""
-    if not takes_positions(model):
+    if not gives_positions(model):
         raise ParatrainError(
             f"context parallelism: {type(model).__name__}.forward takes no position_ids, so its position embeddings "
             "would number each rank's share of the sequence from 0; add a `position_ids=None` argument that, when "
-            "given, sets the positions its rotary or absolute embeddings use (Hugging Face models have one), or "
-            "drop 'cp' from the strategy")
-    inner = model.forward
+            "given, sets the positions its rotary or absolute embeddings use (Hugging Face models have one; in an "
+            "nn.Sequential, to the blocks that use positions), or drop 'cp' from the strategy")
+    inner = model.forward if takes_positions(model) else _with_positions(cast(nn.Sequential, model))
     unmasked = _no_padding_mask(model)
     share = Share(group, size, rank)
 
@@ -375,6 +375,24 @@ def takes_positions(model: nn.Module) -> bool:
         return "position_ids" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def gives_positions(model: nn.Module) -> bool:
+    """Whether context parallelism can give the model its share's global positions: its forward takes
+    `position_ids`, or it is an nn.Sequential some of whose children do (`_with_positions` hands them on)."""
+    return takes_positions(model) or (isinstance(model, nn.Sequential) and any(takes_positions(c) for c in model))
+
+
+def _with_positions(model: nn.Sequential) -> Callable[..., Any]:
+    """An nn.Sequential's forward that gives `position_ids` to the children that take them."""
+    children = [(child, takes_positions(child)) for child in model]
+
+    def forward(value: Any, position_ids: torch.Tensor | None = None) -> Any:
+        for child, positions in children:
+            value = child(value, position_ids=position_ids) if positions else child(value)
+        return value
+
+    return forward
 
 
 def _documents(model: nn.Module, hf_unpadded: bool, length: int, args: tuple[Any, ...],

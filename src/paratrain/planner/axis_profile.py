@@ -16,7 +16,6 @@ which layer is running), with nothing installed on its modules:
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..parallel.context import gives_positions
 from ..parallel.expert.find import find
 from .costs import AxisFacts
 
@@ -52,10 +52,7 @@ def _layer_of(path: str, names: list[str]) -> str | None:
 
 def takes_position_ids(model: nn.Module) -> bool:
     """The runtime's own condition for context parallelism (`parallel.context.apply_cp`)."""
-    try:
-        return "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return gives_positions(model)
 
 
 class _Watch(TorchFunctionMode):

@@ -103,10 +103,10 @@ def sequential_layers(model: nn.Sequential, share: Share) -> list[tuple[str, nn.
     each row to this rank's share, every child attends over the group, the last gathers its outputs into whole rows;
     the global positions cross every cut and go to each child whose forward takes `position_ids` (its rotary or
     absolute embeddings number the share's tokens by them), or a refusal where no child takes them."""
-    from ..context import takes_positions
+    from ..context import gives_positions
 
     children = list(model.named_children())
-    if not any(takes_positions(child) for _, child in children):
+    if not gives_positions(model):
         names = ", ".join(name for name, _ in children)
         raise ParatrainError(
             f"context parallelism inside a pipeline: no child of the nn.Sequential ({names}) takes position_ids, "
