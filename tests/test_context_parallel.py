@@ -154,27 +154,29 @@ def test_context_degrees_are_checked_with_their_arithmetic() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("saved", ["fsdp+cp", "cp+pp"])
-def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout(saved: str,
+@pytest.mark.parametrize(("saved", "name"), [pytest.param("fsdp+cp", "llama", id="fsdp+cp"),
+                                             pytest.param("cp+pp", "llama", id="cp+pp"),
+                                             pytest.param("cp+pp", "rope-seq", id="cp+pp-rope-seq")])
+def test_a_checkpoint_saved_with_shares_of_every_sequence_resumes_under_another_layout(saved: str, name: str,
                                                                                        tmp_path: Path) -> None:
-    """Saved after one step of Llama under `fsdp+cp 4` (weights sharded over dp_shard x cp) or `cp+pp 4` (each
-    stage's layers on its ranks), resumed under `cp 2`: the rest of the epoch lands on the uninterrupted run's losses
-    and weights."""
+    """Saved after one step of Llama (or the user RoPE decoder as an nn.Sequential) under `fsdp+cp 4` (weights
+    sharded over dp_shard x cp) or `cp+pp 4` (each stage's layers on its ranks), resumed under `cp 2`: the rest of the
+    epoch lands on the uninterrupted run's losses and weights."""
     import meta_cases
 
-    first = paratrain("run", "--nproc", "4", "tests/moe_worker.py", saved, str(tmp_path / "a"), "llama",
+    first = paratrain("run", "--nproc", "4", "tests/moe_worker.py", saved, str(tmp_path / "a"), name,
                       timeout=240, env=cli_env(MOE_SAVE=str(tmp_path / "ck")))
     assert first.returncode == 0, first.stdout[-4000:]
     step = next((tmp_path / "ck").glob("step-*"))
-    rest = paratrain("run", "--nproc", "2", "tests/moe_worker.py", "cp", str(tmp_path / "b"), "llama", timeout=240,
+    rest = paratrain("run", "--nproc", "2", "tests/moe_worker.py", "cp", str(tmp_path / "b"), name, timeout=240,
                      env=cli_env(MOE_RESUME=str(step)))
     assert rest.returncode == 0, rest.stdout[-4000:]
     with step_state.using(step_state.StepState()):
-        ref, ref_losses = cases.plain("llama")
-    assert json.loads((tmp_path / "b" / "losses.json").read_text())["llama"] == pytest.approx(ref_losses[1:], abs=1e-5)
-    got = meta_cases.read_export(str(tmp_path / "b" / "llama"))
+        ref, ref_losses = cases.plain(name)
+    assert json.loads((tmp_path / "b" / "losses.json").read_text())[name] == pytest.approx(ref_losses[1:], abs=1e-5)
+    got = meta_cases.read_export(str(tmp_path / "b" / name))
     worst = max((float((got[k] - ref[k]).abs().max()), k) for k in ref)
-    assert worst[0] < 1e-5, f"llama saved under {saved} 4, resumed under cp 2: {worst}"
+    assert worst[0] < 1e-5, f"{name} saved under {saved} 4, resumed under cp 2: {worst}"
 
 
 def test_a_pipeline_with_cp_or_ep_inside_its_stages_takes_a_decoders_own_blocks_or_refuses() -> None:
