@@ -39,6 +39,7 @@ from .. import collectives
 from ..checkpoint import rng
 from ..errors import ParatrainError
 from ..launcher.lighthouse import INSTALL, require_torchft, wait_until_reachable
+from ..parallel.tensor import local_part
 from ..runtime import Placement, ReplicaGroupLaunch
 from . import shards
 
@@ -299,5 +300,5 @@ class ReplicaGroups:
 def _grad_piece(p: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `p`'s gradient (its storage, written back in place), or zeros where it has none."""
     if p.grad is not None:
-        return shards.local(p.grad.detach())
-    return torch.zeros_like(shards.local(p.detach()))
+        return local_part(p.grad.detach())
+    return torch.zeros_like(local_part(p.detach()))

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch import nn
 
+from ..parallel.tensor import local_part
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
@@ -26,11 +28,6 @@ def is_sharded(value: object) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a tensor (the tensor itself when it is not a DTensor)."""
-    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 def like(piece: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
@@ -46,7 +43,7 @@ def like(piece: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
 
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The model's state dict with each DTensor as its local piece."""
-    return {name: local(value) if isinstance(value, torch.Tensor) else value
+    return {name: local_part(value) if isinstance(value, torch.Tensor) else value
             for name, value in model.state_dict().items()}
 
 

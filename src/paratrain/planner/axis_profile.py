@@ -50,11 +50,6 @@ def _layer_of(path: str, names: list[str]) -> str | None:
     return next((n for n in names if path == n or path.startswith(n + ".")), None)
 
 
-def takes_position_ids(model: nn.Module) -> bool:
-    """The runtime's own condition for context parallelism (`parallel.context.apply_cp`)."""
-    return gives_positions(model)
-
-
 class _Watch(TorchFunctionMode):
     """Records router and expert `F.linear` calls and attention calls, attributed to the layer running them."""
 
@@ -101,7 +96,7 @@ def measure(model: nn.Module, example: Any, names: list[str]) -> Facts:
     """The facts of `model` (its chain of layers named `names`), from one forward on `example`."""
     from torch.utils.module_tracker import ModuleTracker
 
-    facts = Facts(position_ids=takes_position_ids(model))
+    facts = Facts(position_ids=gives_positions(model))  # the runtime's own condition (apply_cp)
     found = find(model)
     routers: dict[int, str] = {}
     router_widths: dict[int, tuple[str, int]] = {}

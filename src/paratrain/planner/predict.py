@@ -164,7 +164,7 @@ def data_parallel_bytes(profile: Profile, dims: ParallelDims) -> list[float]:
 def _waits(cluster: Cluster, layout: Layout, axis_comm: float) -> float:
     """Seconds per micro-step a CPU worker sits blocked in the model axes' exchanges (the experts' all-to-alls, the
     keys' and values' gathers): its core is idle then, so FSDP's transfers and its own per-unit work, which on CPU
-    workers otherwise take their time from compute, run there for free. None where workers outnumber the cores (the
+    workers otherwise take their time from compute, run there for free. 0 where workers outnumber the cores (the
     core goes to another worker) or on GPUs (the host does not wait on a collective)."""
     if cluster.kind != "cpu" or layout.processes > cluster.devices:
         return 0.0
